@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the extension, run the GPU tests, run the kernel benchmark.
+#
+# Usage (repo root): benchmarks/run_device.sh [all|build-test|bench|tune|image]   (default all)
+# Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
+# bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
+#
+# "image" installs as the Dockerfile does (docker/install.sh, megatron-core from the wheels in
+# .whl: carry it), runs docker/smoke.py, the GPU tests, the CPU suites of the gather, head and
+# model on this machine's torch, the probe example on one GPU (NCCL, CP 1) and the tuning sweep.
+set -uo pipefail
+
+mode="${1:-all}"
+out="${OUT:-$PWD/out}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export MAX_JOBS="${MAX_JOBS:-16}"
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+  nvcc --version | tail -n 1
+} 2>&1 | tee "$out/env.txt"
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if [[ "$mode" == image ]]; then
+  echo "== docker/install.sh --editable --wheel-dir .whl --require-cuda"
+  start=$SECONDS
+  bash docker/install.sh --editable --wheel-dir .whl --require-cuda >"$out/build.log" 2>&1 \
+    || { tail -n 60 "$out/build.log"; exit 1; }
+  grep -iE "build summary|CUDA extension|unchanged|installed" "$out/build.log" | head -n 20
+  echo "install: $((SECONDS - start)) s"
+  echo "== docker/smoke.py --require-cuda"
+  (cd /tmp && "$py" "$OLDPWD/docker/smoke.py" --require-cuda --expect-megatron-core 0.19.2) \
+    2>&1 | tail -n 15
+  export MCP_REQUIRE_EXTENSION=1
+  echo "== GPU tests"
+  timeout 300 "$py" -m pytest tests/test_ops_cuda.py tests/test_ops.py -q -rs \
+    -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -n 5
+  echo "== CPU suites on this torch (gather, head, model)"
+  # No GPU for them: megatron-core would put rotary tables on cuda:0 beside a CPU model.
+  CUDA_VISIBLE_DEVICES= timeout 300 "$py" -m pytest tests/test_plan.py tests/test_mappings.py \
+    tests/test_head.py tests/test_model.py tests/test_seed_regression.py -q -p no:cacheprovider 2>&1 \
+    | tee "$out/suite.log" | tail -n 5
+  echo "== probe example on one GPU (NCCL, CP 1)"
+  timeout 200 "$py" examples/cp_probe.py --device cuda --cp-sizes 1 --world-size 1 2>&1 \
+    | tee "$out/probe.log" | tail -n 12
+  mode=tune
+fi
+
+if [[ "$mode" != tune ]]; then
+echo "== build (pip install --no-build-isolation --no-deps -e .)"
+start=$SECONDS
+if ! MCP_FORCE_CUDA_BUILD=1 timeout 420 "$py" -m pip install -v --no-build-isolation --no-deps -e . \
+    >"$out/build.log" 2>&1; then
+  echo "pip editable build failed; trying setup.py build_ext --inplace" | tee -a "$out/build.log"
+  MCP_FORCE_CUDA_BUILD=1 timeout 420 "$py" setup.py build_ext --inplace >>"$out/build.log" 2>&1 \
+    || { tail -n 60 "$out/build.log"; exit 1; }
+fi
+grep -E "build summary|CUDA extension|TORCH_CUDA_ARCH_LIST|registers|spill" "$out/build.log" | head -n 20
+echo "build: $((SECONDS - start)) s"
+fi
+export MCP_REQUIRE_EXTENSION=1
+"$py" -c 'from megatron.context_parallel import ops, _extension; print("extension:", _extension.status())' \
+  || exit 1
+
+if [[ "$mode" != bench && "$mode" != tune ]]; then
+  echo "== tests"
+  start=$SECONDS
+  timeout 300 "$py" -m pytest tests/test_ops_cuda.py tests/test_ops.py -q -rs -p no:cacheprovider \
+    2>&1 | tee "$out/tests.log" | tail -n 40
+  echo "tests: $((SECONDS - start)) s"
+fi
+
+if [[ "$mode" == all ]] && command -v compute-sanitizer >/dev/null; then
+  echo "== compute-sanitizer memcheck on small odd cases"
+  cat >/tmp/mcp_sanitize.py <<'PY'
+import torch
+from megatron.context_parallel import ops
+g = torch.Generator().manual_seed(0)
+for slots, widths, lead in ((7, [48, 6, 2, 1], 1), (33, [10240, 160, 80, 4], 0), (0, [8], 0)):
+    W = lead + sum(widths) + 3
+    packed = torch.randint(0, 256, (slots, W), generator=g, dtype=torch.uint8).cuda()
+    idx = torch.randint(-1, max(slots, 1), (50,), generator=g).clamp(max=slots - 1).cuda()
+    offs = [lead + sum(widths[:f]) for f in range(len(widths))]
+    ops.scatter_rows(packed, idx, offs, widths)
+    ops.gather_rows(packed[:, 1:], idx)
+torch.cuda.synchronize()
+print("SANITIZE-DONE")
+PY
+  timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 "$py" /tmp/mcp_sanitize.py \
+    >"$out/sanitize.log" 2>&1; echo "memcheck rc=$?"; tail -n 4 "$out/sanitize.log"
+fi
+
+if [[ "$mode" != build-test && "$mode" != tune ]]; then
+  echo "== benchmark"
+  start=$SECONDS
+  timeout 300 "$py" benchmarks/bench_kernels.py --json "$out/bench.json" --markdown "$out/bench.md" \
+    2>&1 | tee "$out/bench.log" | tail -n 60
+  echo "bench: $((SECONDS - start)) s"
+fi
+
+if [[ "$mode" == all || "$mode" == tune ]]; then
+  echo "== tuning: most threads per row (hidden states CP 4 and logits, kernel only)"
+  for t in 32 64 128 256; do
+    echo "-- MCP_ROW_COPY_MAX_THREADS_PER_ROW=$t"
+    MCP_ROW_COPY_MAX_THREADS_PER_ROW=$t timeout 120 "$py" benchmarks/bench_kernels.py --quick \
+      --with-logits --ours-only --reps 200 2>&1 | grep scatter_rows
+  done 2>&1 | tee "$out/tune.log"
+fi

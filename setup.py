@@ -1,0 +1,125 @@
+"""Build and install ``megatron-context-parallel``.
+
+Install with the torch you already have, never in an isolated build environment (pip would
+otherwise fetch a separate, CUDA-enabled torch just to build against):
+
+    pip install --no-build-isolation -e .          # development
+    pip install --no-build-isolation .             # regular install
+
+The CUDA row kernels (``csrc/``) are built into ``megatron.context_parallel._C`` when the
+toolchain allows it: torch was built with CUDA and ``nvcc`` is found (``CUDA_HOME`` or
+``PATH``). Whether a GPU is visible does not matter, so a Docker build without GPUs still
+builds the kernels. Otherwise the install is pure Python, and CUDA tensors fall back to torch
+indexing at run time (with one warning).
+
+Environment variables:
+    MCP_FORCE_CUDA_BUILD=1: build the extension or fail (no silent pure-Python install).
+    MCP_SKIP_CUDA_BUILD=1: never build it (pure-Python install).
+    TORCH_CUDA_ARCH_LIST: target architectures, default "9.0" (Hopper: H100, H200).
+    MAX_JOBS: parallel compile jobs (read by torch's build helper).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+from setuptools import find_namespace_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+EXT_NAME = "megatron.context_parallel._C"
+DEFAULT_ARCH_LIST = "9.0"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def _find_nvcc(cuda_home):
+    if cuda_home:
+        candidate = os.path.join(cuda_home, "bin", "nvcc")
+        if os.path.exists(candidate):
+            return candidate
+    return shutil.which("nvcc")
+
+
+def _cuda_build_decision():
+    """``(build, reason, details)``: whether to build the extension, judged from the toolchain."""
+    if _flag("MCP_SKIP_CUDA_BUILD"):
+        return False, "MCP_SKIP_CUDA_BUILD is set", {}
+    force = _flag("MCP_FORCE_CUDA_BUILD")
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        if force:
+            raise RuntimeError(f"MCP_FORCE_CUDA_BUILD is set but torch is not importable: {exc}")
+        return False, "torch is not importable (use --no-build-isolation)", {}
+    details = {"torch": torch.__version__, "torch CUDA": torch.version.cuda}
+    nvcc = _find_nvcc(cpp_extension.CUDA_HOME)
+    details["nvcc"] = nvcc
+    if torch.version.cuda is None:
+        reason = "torch was built without CUDA"
+    elif nvcc is None:
+        reason = "nvcc not found (set CUDA_HOME)"
+    else:
+        return True, "torch has CUDA and nvcc is found", details
+    if force:
+        raise RuntimeError(f"MCP_FORCE_CUDA_BUILD is set but {reason}")
+    return False, reason, details
+
+
+def _extensions(build: bool):
+    if not build:
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    ext = CUDAExtension(
+        name=EXT_NAME,
+        sources=["csrc/binding.cpp", "csrc/row_copy.cu"],
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={
+            "cxx": ["-O3"],
+            "nvcc": ["-O3", "--use_fast_math", "-Xptxas=-v"],
+        },
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+def _summary(build: bool, reason: str, details: dict) -> None:
+    lines = ["", "megatron-context-parallel build summary"]
+    lines.append(f"  CUDA extension {EXT_NAME}: {'BUILD' if build else 'skipped'} ({reason})")
+    for key, value in details.items():
+        lines.append(f"  {key}: {value}")
+    if build:
+        lines.append(f"  TORCH_CUDA_ARCH_LIST: {os.environ.get('TORCH_CUDA_ARCH_LIST')}")
+    lines.append("")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _wants_build() -> bool:
+    # Metadata-only commands (egg_info, dist_info, --version) need no compiler decision.
+    build_cmds = {"build", "build_ext", "install", "develop", "bdist_wheel", "editable_wheel"}
+    return any(arg in build_cmds for arg in sys.argv[1:])
+
+
+if _wants_build():
+    BUILD, REASON, DETAILS = _cuda_build_decision()
+    _summary(BUILD, REASON, DETAILS)
+else:
+    BUILD = False
+EXT_MODULES, CMDCLASS = _extensions(BUILD)
+
+setup(
+    name="megatron-context-parallel",
+    version="0.1.0",
+    description="Context parallelism for megatron-core that returns full-sequence outputs",
+    packages=find_namespace_packages(include=["megatron.context_parallel*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.6", "megatron-core>=0.19.2", "numpy"],
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
+    zip_safe=False,
+)

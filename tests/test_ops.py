@@ -1,0 +1,213 @@
+"""CPU tests of the megatron_cp row ops against references built row by row in Python."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from megatron.context_parallel import _extension, ops
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+
+def _random(shape, dtype, gen):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen).to(dtype)
+
+
+def _random_index(num_out, num_src, gen, missing=0.2):
+    """int64 [num_out] in [-1, num_src): repeats allowed, about `missing` of them -1."""
+    if num_src == 0:
+        return torch.full((num_out,), -1, dtype=torch.int64)
+    idx = torch.randint(0, num_src, (num_out,), generator=gen)
+    drop = torch.rand(num_out, generator=gen) < missing
+    return torch.where(drop, torch.full_like(idx, -1), idx)
+
+
+def _ref_gather(src, index):
+    rows = []
+    for i in index.tolist():
+        rows.append(src.new_zeros(src.shape[1:]) if i < 0 else src[i].clone())
+    if not rows:
+        return src.new_zeros((0,) + tuple(src.shape[1:]))
+    return torch.stack(rows)
+
+
+def _ref_scatter(packed, row_source, offsets, widths):
+    data = packed.tolist()
+    outs = []
+    for off, width in zip(offsets, widths):
+        rows = [
+            [0] * width if s < 0 else data[s][off : off + width] for s in row_source.tolist()
+        ]
+        outs.append(torch.tensor(rows, dtype=torch.uint8).reshape(len(rows), width))
+    return outs
+
+
+def test_scatter_rows_matches_reference_for_random_layouts():
+    gen = torch.Generator().manual_seed(0)
+    # (slots, fields widths): 16-byte multiples first, as the packer orders them, then odd ones.
+    layouts = [
+        (12, [32, 16, 4]),
+        (7, [48, 6, 2, 1]),
+        (9, [3, 5, 7]),
+        (1, [20]),
+        (5, [0, 8]),
+    ]
+    for slots, widths in layouts:
+        offsets = [sum(widths[:f]) for f in range(len(widths))]
+        row_bytes = sum(widths) + 3  # trailing bytes no field covers
+        packed = torch.randint(0, 256, (slots, row_bytes), generator=gen, dtype=torch.uint8)
+        for num_out in (0, 1, 17):
+            row_source = _random_index(num_out, slots, gen)
+            got = ops.scatter_rows(packed, row_source, offsets, widths)
+            want = _ref_scatter(packed, row_source, offsets, widths)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g.dtype == torch.uint8 and torch.equal(g, w)
+                assert g.data_ptr() != packed.data_ptr() or g.numel() == 0
+
+
+def test_scatter_rows_reads_a_column_slice_and_empty_buffer():
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randint(0, 256, (6, 40), generator=gen, dtype=torch.uint8)
+    view = wide[:, 5:29]  # row stride 40, not the row width
+    row_source = torch.tensor([5, -1, 0, 3, 3], dtype=torch.int64)
+    got = ops.scatter_rows(view, row_source, [1, 9], [8, 15])
+    want = _ref_scatter(view.contiguous(), row_source, [1, 9], [8, 15])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # No slots at all: every row is unowned, so every output row is zero.
+    empty = torch.empty((0, 10), dtype=torch.uint8)
+    got = ops.scatter_rows(empty, torch.full((4,), -1, dtype=torch.int64), [0, 4], [4, 6])
+    assert [tuple(g.shape) for g in got] == [(4, 4), (4, 6)]
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gather_rows_matches_reference_every_dtype(dtype):
+    gen = torch.Generator().manual_seed(2)
+    for shape in [(11,), (11, 1), (11, 3), (11, 5, 7), (0, 3), (4, 0)]:
+        src = _random(shape, dtype, gen)
+        for num_out in (0, 1, 13):
+            index = _random_index(num_out, shape[0], gen)
+            got = ops.gather_rows(src, index)
+            assert got.dtype == dtype and got.shape == (num_out,) + shape[1:]
+            want = _ref_gather(src, index)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_gather_rows_strided_views():
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(20, 9, generator=gen)
+    index = _random_index(15, 10, gen)
+    for src in (base[::2], base[:10, 1:8], base.t()[:, :10].t(), base[:10].expand(10, 9)):
+        assert torch.equal(ops.gather_rows(src, index), _ref_gather(src.contiguous(), index))
+
+
+def test_gather_rows_gradient_sums_repeated_rows():
+    gen = torch.Generator().manual_seed(4)
+    src = torch.randn(6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([2, -1, 2, 0, 5, 2], dtype=torch.int64)
+    out = ops.gather_rows(src, index)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    out.backward(grad_out)
+    want = torch.zeros(6, 3, dtype=torch.float64)
+    for i, j in enumerate(index.tolist()):
+        if j >= 0:
+            want[j] += grad_out[i]
+    assert torch.equal(src.grad, want)
+    leaf = src.detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda s: ops.gather_rows(s, index), (leaf,))
+
+
+def test_bad_inputs_raise_before_any_work():
+    packed = torch.zeros(4, 8, dtype=torch.uint8)
+    idx = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="uint8"):
+        ops.scatter_rows(packed.float(), idx, [0], [8])
+    with pytest.raises(ValueError, match=r"\[4, 10\) of a 8-byte row"):
+        ops.scatter_rows(packed, idx, [4], [6])
+    with pytest.raises(ValueError, match="2 offsets but 1 widths"):
+        ops.scatter_rows(packed, idx, [0, 1], [1])
+    with pytest.raises(ValueError, match="int64"):
+        ops.scatter_rows(packed, idx.int(), [0], [8])
+    with pytest.raises(ValueError, match="1-D"):
+        ops.gather_rows(packed, idx.view(3, 1))
+    with pytest.raises(ValueError, match="0-d"):
+        ops.gather_rows(torch.tensor(1.0), idx)
+    with pytest.raises(TypeError):
+        ops.gather_rows([1, 2], idx)
+
+
+def test_opcheck_cpu():
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (8, 40), generator=gen, dtype=torch.uint8)
+    row_source = _random_index(12, 8, gen)
+    torch.library.opcheck(
+        torch.ops.megatron_cp.scatter_rows.default, (packed, row_source, [0, 32], [32, 6])
+    )
+    src = torch.randn(9, 4, generator=gen, requires_grad=True)
+    index = _random_index(7, 9, gen)
+    torch.library.opcheck(torch.ops.megatron_cp.gather_rows.default, (src, index))
+    torch.library.opcheck(
+        torch.ops.megatron_cp.gather_rows.default,
+        (torch.randint(0, 9, (9, 3), generator=gen), _random_index(5, 9, gen)),
+    )
+
+
+def _unpack_and_pick(packed, row_source, local_index):
+    hidden, tok = ops.scatter_rows(packed, row_source, [0, 16], [16, 4])
+    full = hidden.view(torch.float32)
+    return ops.gather_rows(full * 2.0, local_index), tok.view(torch.int32)
+
+
+def test_ops_trace_under_torch_compile():
+    gen = torch.Generator().manual_seed(6)
+    packed = torch.randint(0, 256, (10, 24), generator=gen, dtype=torch.uint8)
+    row_source = _random_index(14, 10, gen)
+    local_index = _random_index(6, 14, gen)
+    compiled = torch.compile(_unpack_and_pick, backend="aot_eager", fullgraph=True)
+    for got, want in zip(
+        compiled(packed, row_source, local_index), _unpack_and_pick(packed, row_source, local_index)
+    ):
+        assert torch.equal(got, want)
+
+
+def test_extension_status_on_cpu_torch():
+    outcome, reason = _extension.status()
+    if torch.version.cuda is None:
+        assert outcome == "not built" and "without CUDA" in reason
+        assert not ops.has_cuda_kernels()
+    else:
+        assert outcome in ("loaded", "not built", "broken")
+
+
+def test_fallback_warns_once(monkeypatch):
+    monkeypatch.setattr(_extension, "_fallback_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _extension.warn_fallback_once("gather_rows")
+        _extension.warn_fallback_once("gather_rows")
+    assert len(caught) == 1 and "torch indexing" in str(caught[0].message)

@@ -1,0 +1,397 @@
+"""GPU tests of the megatron_cp row kernels: exact equality with the CPU implementation.
+
+Skipped without CUDA. Set ``MCP_ALLOW_FALLBACK=1`` to run them against the torch fallback
+instead of failing when the compiled extension is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.context_parallel import ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+POISON = 0xA5
+
+
+def _poison_allocator(nbytes=64 << 20):
+    """Fills freed cache blocks with a pattern, so an output row the kernel skips shows up."""
+    blob = torch.full((nbytes,), POISON, dtype=torch.uint8, device="cuda")
+    del blob
+    small = [
+        torch.full((n,), POISON, dtype=torch.uint8, device="cuda") for n in (512, 4096, 1 << 16)
+    ]
+    del small
+
+
+def _random_bytes(shape, gen):
+    return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+
+
+def _random_index(num_out, num_src, gen, missing=0.2):
+    if num_src == 0:
+        return torch.full((num_out,), -1, dtype=torch.int64)
+    idx = torch.randint(0, num_src, (num_out,), generator=gen)
+    drop = torch.rand(num_out, generator=gen) < missing
+    return torch.where(drop, torch.full_like(idx, -1), idx)
+
+
+def _random_src(shape, dtype, gen):
+    # Random bytes reinterpreted: every bit pattern (NaNs included) must move unchanged, and
+    # torch.equal on the uint8 view compares bits, not values.
+    width = int(torch.tensor(shape[1:]).prod().item()) if len(shape) > 1 else 1
+    elem = torch.empty((), dtype=dtype).element_size()
+    if width == 0 or shape[0] == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = _random_bytes((shape[0], width * elem), gen)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a.cpu()), _bits(b.cpu()))
+
+
+def test_kernels_are_loaded():
+    if os.environ.get("MCP_ALLOW_FALLBACK"):
+        pytest.skip("MCP_ALLOW_FALLBACK is set")
+    assert ops.has_cuda_kernels(), "the compiled extension did not load (see _extension.status())"
+
+
+def test_scatter_rows_equals_cpu_for_random_layouts():
+    gen = torch.Generator().manual_seed(10)
+    layouts = [
+        [10240, 4, 80, 160],  # hidden bf16 5120, logprob fp32, top-k 20 fp32 and int64
+        [160, 80, 16, 4],  # packer order: 16-byte multiples first
+        [48, 6, 2, 1],
+        [3, 5, 7, 9, 11],
+        [2],
+        [1],
+        [0, 32],
+        [16] * 20,  # more fields than one launch takes
+    ]
+    for widths in layouts:
+        for lead in (0, 1, 3):  # a leading byte misaligns every field
+            offsets = [lead + sum(widths[:f]) for f in range(len(widths))]
+            row_bytes = lead + sum(widths) + 5
+            for slots, num_out in ((37, 50), (1, 3), (5, 0), (0, 6)):
+                packed = _random_bytes((slots, row_bytes), gen)
+                row_source = _random_index(num_out, slots, gen)
+                want = ops.scatter_rows(packed, row_source, offsets, widths)
+                _poison_allocator()
+                got = ops.scatter_rows(packed.cuda(), row_source.cuda(), offsets, widths)
+                torch.cuda.synchronize()
+                assert len(got) == len(want)
+                for g, w in zip(got, want):
+                    assert g.is_cuda and torch.equal(g.cpu(), w), (widths, lead, slots, num_out)
+
+
+def test_scatter_rows_column_slice_of_wider_buffer():
+    gen = torch.Generator().manual_seed(11)
+    wide = _random_bytes((64, 1000), gen)
+    row_source = _random_index(300, 64, gen)
+    for start, stop in ((16, 528), (1, 514), (8, 1000)):
+        view = wide[:, start:stop]
+        widths = [stop - start - 2, 2]
+        want = ops.scatter_rows(view, row_source, [0, widths[0]], widths)
+        got = ops.scatter_rows(
+            wide.cuda()[:, start:stop], row_source.cuda(), [0, widths[0]], widths
+        )
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gather_rows_equals_cpu_every_dtype(dtype):
+    gen = torch.Generator().manual_seed(12)
+    for shape in [(33,), (33, 1), (33, 3), (33, 5, 7), (33, 5120), (0, 4), (6, 0)]:
+        src = _random_src(shape, dtype, gen)
+        for num_out in (0, 1, 70):
+            index = _random_index(num_out, shape[0], gen)
+            want = ops.gather_rows(src, index)
+            _poison_allocator()
+            got = ops.gather_rows(src.cuda(), index.cuda())
+            assert _same_bits(got, want), (dtype, shape, num_out)
+
+
+def test_gather_rows_misaligned_and_strided_views():
+    gen = torch.Generator().manual_seed(13)
+    base = _random_src((40, 131), torch.bfloat16, gen)
+    index = _random_index(90, 20, gen)
+    cases = [
+        lambda b: b[1:21],  # 262-byte rows starting 2 bytes past the allocation
+        lambda b: b[::2],  # row stride twice the row
+        lambda b: b[:20, 3:100],  # column slice: copied dense first
+        lambda b: b.view(-1)[1 : 1 + 20 * 130].view(20, 130),  # odd element offset
+    ]
+    for make in cases:
+        want = ops.gather_rows(make(base), index)
+        got = ops.gather_rows(make(base.cuda()), index.cuda())
+        assert _same_bits(got, want)
+
+
+def test_gather_rows_gradient_on_cuda():
+    gen = torch.Generator().manual_seed(14)
+    src = torch.randn(50, 24, generator=gen)
+    index = _random_index(80, 50, gen)
+    grad = torch.randn(80, 24, generator=gen)
+    grads = []
+    for device in ("cpu", "cuda"):
+        s = src.to(device).detach().clone().requires_grad_()
+        ops.gather_rows(s, index.to(device)).backward(grad.to(device))
+        grads.append(s.grad.cpu())
+    # Repeated indices sum in a different order on the GPU: compare with a tolerance.
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_offsets_past_2_31_bytes():
+    free, _ = torch.cuda.mem_get_info()
+    if free < (8 << 30):
+        pytest.skip("needs 8 GiB of free GPU memory")
+    gen = torch.Generator().manual_seed(15)
+    row_bytes = 4160  # 16-byte multiple: the vector path
+    slots = (2**31 // row_bytes) + 4096  # the last rows start past 2^31 bytes
+    packed = torch.empty((slots, row_bytes), dtype=torch.uint8, device="cuda")
+    packed[-4096:].copy_(_random_bytes((4096, row_bytes), gen).cuda())
+    packed[:4096].copy_(_random_bytes((4096, row_bytes), gen).cuda())
+    row_source = torch.cat(
+        [torch.arange(slots - 4096, slots), torch.arange(0, 4096), torch.tensor([-1])]
+    )
+    row_source = row_source[torch.randperm(row_source.numel(), generator=gen)].cuda()
+    got = ops.scatter_rows(packed, row_source, [0, 4096, 4100], [4096, 4, 60])
+    want = torch.cat(got, dim=1)
+    ref = packed.index_select(0, row_source.clamp(min=0))[:, :4160]
+    ref[row_source < 0] = 0
+    assert torch.equal(want, ref)
+    out = ops.gather_rows(packed.view(slots, -1)[:, :4160], row_source)
+    assert torch.equal(out, ref)
+
+
+def test_opcheck_cuda():
+    gen = torch.Generator().manual_seed(16)
+    packed = _random_bytes((8, 40), gen).cuda()
+    row_source = _random_index(12, 8, gen).cuda()
+    torch.library.opcheck(
+        torch.ops.megatron_cp.scatter_rows.default, (packed, row_source, [0, 32], [32, 6])
+    )
+    src = torch.randn(9, 4, generator=gen).cuda().requires_grad_()
+    index = _random_index(7, 9, gen).cuda()
+    torch.library.opcheck(torch.ops.megatron_cp.gather_rows.default, (src, index))
+
+
+def test_scatter_rows_in_cuda_graph():
+    gen = torch.Generator().manual_seed(17)
+    slots, row_bytes, seq = 64, 10240 + 4, 100
+    packed = torch.empty((slots, row_bytes), dtype=torch.uint8, device="cuda")
+    row_source = torch.empty(seq, dtype=torch.int64, device="cuda")
+    packed.copy_(_random_bytes((slots, row_bytes), gen))
+    row_source.copy_(_random_index(seq, slots, gen))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the graph (allocator, lazy init)
+            ops.scatter_rows(packed, row_source, [0, 10240], [10240, 4])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = ops.scatter_rows(packed, row_source, [0, 10240], [10240, 4])
+    for _ in range(3):
+        new_packed = _random_bytes((slots, row_bytes), gen)
+        new_index = _random_index(seq, slots, gen)
+        packed.copy_(new_packed)
+        row_source.copy_(new_index)
+        graph.replay()
+        want = ops.scatter_rows(new_packed, new_index, [0, 10240], [10240, 4])
+        torch.cuda.synchronize()
+        assert all(torch.equal(o.cpu(), w) for o, w in zip(outs, want))
+
+
+def _unpack_scale_pick(packed, row_source, local_index):
+    hidden, tok = ops.scatter_rows(packed, row_source, [0, 64], [64, 4])
+    full = hidden.view(torch.bfloat16).float() * 2.0
+    return ops.gather_rows(full, local_index), tok.view(torch.int32) + 1
+
+
+def test_ops_under_torch_compile_cuda():
+    gen = torch.Generator().manual_seed(18)
+    packed = _random_bytes((30, 72), gen)
+    packed[:, :64] = torch.randn(30, 32, generator=gen).bfloat16().view(torch.uint8)
+    row_source = _random_index(40, 30, gen)
+    local_index = _random_index(25, 40, gen)
+    args = [t.cuda() for t in (packed, row_source, local_index)]
+    compiled = torch.compile(_unpack_scale_pick, fullgraph=True)
+    for got, want in zip(compiled(*args), _unpack_scale_pick(*args)):
+        assert torch.equal(got, want)
+
+
+_FALLBACK_SCRIPT = """
+import warnings
+import torch
+from megatron.context_parallel import ops
+assert not ops.has_cuda_kernels()
+g = torch.Generator().manual_seed(0)
+packed = torch.randint(0, 256, (9, 37), generator=g, dtype=torch.uint8)
+idx = torch.tensor([3, -1, 8, 0, 0, 5])
+src = torch.randn(9, 7, generator=g).bfloat16()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(3):
+        got = ops.scatter_rows(packed.cuda(), idx.cuda(), [0, 32], [32, 5])
+        rows = ops.gather_rows(src.cuda(), idx.cuda())
+mine = [w for w in caught if "torch indexing" in str(w.message)]
+assert len(mine) == 1, [str(w.message) for w in caught]
+want = ops.scatter_rows(packed, idx, [0, 32], [32, 5])
+assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+assert torch.equal(rows.cpu(), ops.gather_rows(src, idx))
+print("FALLBACK-OK")
+"""
+
+
+def test_cuda_without_extension_falls_back_with_one_warning():
+    env = {k: v for k, v in os.environ.items() if k != "MCP_REQUIRE_EXTENSION"}
+    env["MCP_DISABLE_EXTENSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "FALLBACK-OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_full_gather_on_cuda_equals_cpu_with_gloo_ranks():
+    """4 gloo ranks sharing the one GPU: the gather of CUDA tensors equals the CPU gather."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--gloo-ranks", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "GLOO-GATHER-OK" in proc.stdout
+
+
+# --- multi-rank body, run in a fresh process (spawned ranks must not inherit a CUDA context) ---
+
+
+def _fields_for(plan, seed):
+    gen = torch.Generator().manual_seed(seed)
+    s = plan.seq_len
+    return {
+        "hidden": torch.randn(s, 3, 256, generator=gen).bfloat16(),
+        "logp": torch.randn(s, generator=gen),
+        "topk_val": torch.randn(s, 20, generator=gen),
+        "topk_idx": torch.randint(0, 151936, (s, 20), generator=gen),
+        "odd": torch.randint(-100, 100, (s, 3), generator=gen).to(torch.int16),
+    }
+
+
+def _gloo_worker(rank, world, port, queue):
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron.context_parallel.mappings import gather_from_context_parallel_region
+    from megatron.context_parallel.plan import ContextParallelPlan
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        torch.cuda.set_device(0)
+        gen = torch.Generator().manual_seed(99)
+        perm = torch.randperm(1003, generator=gen)
+        cuts = sorted(torch.randint(0, 1000, (world - 1,), generator=gen).tolist())
+        bounds = [0] + cuts + [1000]  # uneven shards; positions 1000..1002 owned by nobody
+        uneven = ContextParallelPlan.from_rank_positions(
+            [perm[bounds[r] : bounds[r + 1]].tolist() for r in range(world)], seq_len=1003
+        )
+        for plan in (ContextParallelPlan.zigzag(8 * world * 13, world), uneven):
+            full = _fields_for(plan, seed=plan.seq_len)
+            pos = plan.local_positions(rank)
+            local_cpu = {k: v[pos] for k, v in full.items()}
+            out_cpu = gather_from_context_parallel_region(local_cpu, plan, group=dist.group.WORLD)
+            local_gpu = {k: v.cuda() for k, v in local_cpu.items()}
+            local_gpu["hidden"].requires_grad_()
+            out_gpu = gather_from_context_parallel_region(local_gpu, plan, group=dist.group.WORLD)
+            owned = plan.row_source() >= 0
+            for k in full:
+                assert out_gpu[k].is_cuda
+                assert torch.equal(out_gpu[k].detach().cpu(), out_cpu[k]), k
+                want = full[k].clone()
+                want[~owned] = 0
+                assert torch.equal(out_cpu[k], want), k
+            weight = torch.randn(out_gpu["hidden"].shape, generator=gen).bfloat16()
+            (out_gpu["hidden"].float() * weight.cuda().float()).sum().backward()
+            grad = local_gpu["hidden"].grad.cpu()
+            assert torch.equal(grad, weight[pos]), "default backward: own rows of the grad"
+        queue.put((rank, "ok"))
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _main_gloo(world):
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=240) for _ in range(world)]
+    for p in procs:
+        p.join(timeout=30)
+    bad = [r for r in results if r[1] != "ok"]
+    for rank, tb in bad:
+        print(f"--- rank {rank} ---\n{tb}")
+    if bad:
+        sys.exit(1)
+    print("GLOO-GATHER-OK")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--gloo-ranks":
+        _main_gloo(int(sys.argv[2]))
