@@ -65,6 +65,14 @@ def test_from_rank_positions_uneven_empty_uncovered():
     assert ContextParallelPlan.from_rank_positions([[], []]).seq_len == 0
 
 
+def test_from_rank_positions_keeps_cu_seqlens():
+    plan = ContextParallelPlan.from_rank_positions([[0, 4], [1, 2, 3]], cu_seqlens=[0, 2, 5])
+    assert plan.seq_len == 5 and plan.cu_seqlens == (0, 2, 5)
+    assert [v.tolist() for v in plan.split_sequences(torch.arange(5))] == [[0, 1], [2, 3, 4]]
+    with pytest.raises(ValueError, match="cu_seqlens ends at 5 but seq_len is 6"):
+        ContextParallelPlan.from_rank_positions([[0, 4], [1, 2, 3]], 6, cu_seqlens=[0, 2, 5])
+
+
 def test_plan_is_immutable_hashable_picklable():
     plan = ContextParallelPlan.zigzag(8, 2)
     with pytest.raises(AttributeError, match="immutable"):

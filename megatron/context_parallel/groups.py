@@ -16,6 +16,7 @@ import torch.distributed as dist
 __all__ = [
     "resolve_context_parallel_group",
     "resolve_data_parallel_group",
+    "resolve_tensor_parallel_group",
     "group_rank_and_size",
     "collective_device",
     "all_gather_single",
@@ -34,38 +35,42 @@ def _parallel_state():
     return parallel_state
 
 
+def _resolve(group, what: str, getter):
+    """``group``; else megatron-core's group from ``getter(parallel_state)``; None off-job."""
+    if group is not None:
+        return group
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    ps = _parallel_state()
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError(
+            f"group=None needs megatron-core's parallel_state.initialize_model_parallel() to "
+            f"have run; pass an explicit {what} group instead"
+        )
+    return getter(ps)
+
+
 def resolve_context_parallel_group(group: Optional[dist.ProcessGroup]):
     """Returns ``group``, or megatron-core's CP group when ``group`` is None.
 
     When torch.distributed is not initialised and ``group`` is None, returns None: the caller
     then runs as the only rank of a CP group of size 1.
     """
-    if group is not None:
-        return group
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    ps = _parallel_state()
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError(
-            "group=None needs megatron-core's parallel_state.initialize_model_parallel() to "
-            "have run; pass an explicit context-parallel group instead"
-        )
-    return ps.get_context_parallel_group()
+    return _resolve(group, "context-parallel", lambda ps: ps.get_context_parallel_group())
+
+
+def resolve_tensor_parallel_group(group: Optional[dist.ProcessGroup]):
+    """Returns ``group``, or megatron-core's tensor-parallel group when None (None off-job)."""
+    return _resolve(group, "tensor-parallel", lambda ps: ps.get_tensor_model_parallel_group())
 
 
 def resolve_data_parallel_group(group: Optional[dist.ProcessGroup]):
     """Returns ``group``, or megatron-core's pure data-parallel group (without CP) when None."""
-    if group is not None:
-        return group
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    ps = _parallel_state()
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError(
-            "group=None needs megatron-core's parallel_state.initialize_model_parallel() to "
-            "have run; pass an explicit data-parallel group instead"
-        )
-    return ps.get_data_parallel_group(with_context_parallel=False)
+    return _resolve(
+        group,
+        "data-parallel",
+        lambda ps: ps.get_data_parallel_group(with_context_parallel=False),
+    )
 
 
 def group_rank_and_size(group) -> Tuple[int, int]:

@@ -192,6 +192,16 @@ def _as_row_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(n, width).view(torch.uint8)
 
 
+def _copy_columns(dst: torch.Tensor, off: int, src: torch.Tensor) -> None:
+    """``dst[:n, off : off + width] = src`` for uint8 ``src [n, width]``, as wide integers."""
+    n, width = src.shape
+    dtype = ops.int_view_dtype(
+        dst.data_ptr(), dst.stride(0), off, width, src.data_ptr(), src.stride(0)
+    )
+    size = dtype.itemsize
+    dst.view(dtype)[:n, off // size : (off + width) // size].copy_(src.view(dtype))
+
+
 def _row_layout(fields: Sequence[torch.Tensor]) -> Tuple[List[int], List[int], List[int], int]:
     """Byte layout of one packed row: (order, offsets, widths, total) over ``fields``.
 
@@ -205,6 +215,13 @@ def _row_layout(fields: Sequence[torch.Tensor]) -> Tuple[List[int], List[int], L
     for i in order:
         offsets[i] = total
         total += widths[i]
+    # A row stride that is a multiple of 16 bytes keeps every packed row 16-byte aligned, so
+    # the kernel uses 16-byte vectors on all rows (measured on an H200: 10,484-byte rows moved
+    # at 73% of copy bandwidth, the same rows padded to 10,496 bytes at 88%). Pad only where it
+    # costs under 1/64 of the payload: narrow per-token rows would otherwise grow up to 4x.
+    pad = -total % 16
+    if pad * 64 <= total:
+        total += pad
     return order, offsets, widths, total
 
 
@@ -229,7 +246,7 @@ def _gather_rows_to_source_order(
         send = torch.empty(rows, total, dtype=torch.uint8, device=device)
         for f, off, width in zip(fields, offsets, widths):
             if width:
-                send[:n, off : off + width].copy_(_as_row_bytes(f))
+                _copy_columns(send, off, _as_row_bytes(f))
     recv = torch.empty(size * rows, total, dtype=torch.uint8, device=device)
     if recv.numel() > 0:
         all_gather_single(recv, send, group=group)

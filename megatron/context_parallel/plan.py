@@ -118,14 +118,20 @@ class ContextParallelPlan:
 
     @classmethod
     def from_rank_positions(
-        cls, rank_positions: Sequence[PositionsLike], seq_len: Optional[int] = None
+        cls,
+        rank_positions: Sequence[PositionsLike],
+        seq_len: Optional[int] = None,
+        cu_seqlens: Optional[PositionsLike] = None,
     ) -> "ContextParallelPlan":
         """A plan from every rank's source positions in local row order.
 
         Args:
             rank_positions: ``rank_positions[r]`` is a list or 1-D integer tensor of the source
                 positions rank ``r`` holds, in its local row order. May be empty.
-            seq_len: full sequence length; defaults to the largest position + 1.
+            seq_len: full sequence length; defaults to the largest position + 1, or to
+                ``cu_seqlens[-1]`` when that is given.
+            cu_seqlens: cumulative lengths of the packed sequences (starting at 0, ending at
+                ``seq_len``), kept so full outputs can be split per sequence.
 
         Raises:
             ValueError: no ranks, a non-integer dtype, a negative position or one >= seq_len,
@@ -134,13 +140,16 @@ class ContextParallelPlan:
         if len(rank_positions) == 0:
             raise ValueError("rank_positions must list at least one rank")
         tensors = [_as_positions(p, f"rank_positions[{r}]") for r, p in enumerate(rank_positions)]
+        cu = None if cu_seqlens is None else _as_cu_seqlens(cu_seqlens)
+        if seq_len is None and cu is not None:
+            seq_len = cu[-1]
         if seq_len is None:
             nonempty = [int(t.max()) for t in tensors if t.numel() > 0]
             seq_len = max(nonempty) + 1 if nonempty else 0
         elif isinstance(seq_len, bool) or not isinstance(seq_len, int):
             raise ValueError(f"seq_len must be an int, got {seq_len!r}")
-        cls._validate(tensors, seq_len, None)
-        return cls(tensors, seq_len, _validated=True)
+        cls._validate(tensors, seq_len, cu)
+        return cls(tensors, seq_len, cu, _validated=True)
 
     @classmethod
     def zigzag(cls, seq_len: int, cp_size: int) -> "ContextParallelPlan":
