@@ -5,8 +5,25 @@ Public API:
     gather_from_context_parallel_region: CP shards -> full tensors in source order, every rank.
     scatter_to_context_parallel_region: full tensor -> this rank's rows (the inverse).
     reduce_over_data_parallel: all-reduce over the pure data-parallel group.
+    ForwardOutput, TopK, compute_forward_output, make_output_processor: the output head.
+    context_parallel_forward, default_plan: a megatron-core GPTModel forward under CP.
+    ContextParallelAttention, ContextParallelParams, get_gpt_layer_with_context_parallel_spec:
+        the reference CP core attention for megatron-core's local layer spec.
+
+The model-level names import megatron-core's transformer stack, so they load on first use;
+``import megatron.context_parallel`` itself stays light.
 """
 
+import importlib
+
+from megatron.context_parallel.head import (
+    FIELDS,
+    IGNORE_INDEX,
+    ForwardOutput,
+    TopK,
+    compute_forward_output,
+    make_output_processor,
+)
 from megatron.context_parallel.mappings import (
     gather_from_context_parallel_region,
     reduce_over_data_parallel,
@@ -16,9 +33,36 @@ from megatron.context_parallel.plan import ContextParallelPlan
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "context_parallel_forward": "megatron.context_parallel.model",
+    "default_plan": "megatron.context_parallel.model",
+    "ContextParallelAttention": "megatron.context_parallel.attention",
+    "ContextParallelParams": "megatron.context_parallel.attention",
+    "get_gpt_layer_with_context_parallel_spec": "megatron.context_parallel.attention",
+}
+
 __all__ = [
     "ContextParallelPlan",
     "gather_from_context_parallel_region",
     "scatter_to_context_parallel_region",
     "reduce_over_data_parallel",
+    "FIELDS",
+    "IGNORE_INDEX",
+    "ForwardOutput",
+    "TopK",
+    "compute_forward_output",
+    "make_output_processor",
+    *_LAZY,
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'megatron.context_parallel' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

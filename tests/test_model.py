@@ -1,0 +1,363 @@
+"""End to end: a tiny megatron-core GPTModel under CP gives the outputs and gradients of CP 1.
+
+Every rank builds the same tiny fp32 model (2 layers, hidden 64, 4 heads, vocab 128, fixed
+seed). The reference is megatron-core's own model at TP 1 / CP 1 (its ``DotProductAttention``,
+``GPTModel.forward``), run one packed sequence at a time so packing cannot leak into it. The CP
+runs go through ``context_parallel_forward`` with ``ContextParallelAttention``. The same loss,
+weighted sums of every output field, is backpropagated in both; parameter gradients are summed
+over CP (and DP) and TP shards are concatenated before comparing.
+
+One spawned world per size runs many layouts in turn (``parallel_state`` is re-initialised
+between them) to keep the suite fast on two cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import _megatron_cpu as mc
+from _dist import run_distributed
+from megatron.context_parallel.mappings import reduce_over_data_parallel
+from megatron.context_parallel.model import context_parallel_forward, default_plan
+from megatron.context_parallel.plan import ContextParallelPlan
+
+FIELDS = ("hidden_states", "target_logprobs", "logits", "top_k")
+TOP_K = 3
+ATOL = 1e-5
+# Parameter gradients are sums over many rows; compare them relative to their own scale.
+GRAD_RTOL = 1e-5
+
+# ---------------------------------------------------------------------------------------------
+# Batches and plans (built identically on every rank from a seed).
+
+
+def _case(kind: str, cp: int, seed: int):
+    """(input_ids [S], labels [S], cu_seqlens or None, plan or None, expected default plan)."""
+    g = torch.Generator().manual_seed(seed)
+    cu, plan, expected = None, None, None
+    if kind == "zigzag":
+        seq_len = 24
+        expected = ContextParallelPlan.zigzag(seq_len, cp)
+    elif kind == "contiguous":
+        seq_len = 26  # divides by no 2 * cp here: the default falls back to contiguous blocks
+        expected = ContextParallelPlan.contiguous(seq_len, cp)
+    elif kind == "thd":
+        cu = (0, 4 * cp, 6 * cp, 12 * cp)
+        seq_len = cu[-1]
+        expected = ContextParallelPlan.thd(cu, cp)
+    elif kind == "uneven":
+        # Prefix-tree style: packed, arbitrary owners and order, uneven, one rank empty.
+        cu = (0, 9, 16, 27)
+        seq_len = cu[-1]
+        order = torch.randperm(seq_len, generator=g)
+        cuts = sorted(torch.randint(0, seq_len + 1, (cp - 2,), generator=g).tolist())
+        bounds = [0] + cuts + [seq_len]
+        shards = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        empty = int(torch.randint(0, cp, (1,), generator=g))
+        shards.insert(empty, order[:0])
+        plan = ContextParallelPlan.from_rank_positions(shards, seq_len)
+        assert plan.counts[empty] == 0
+    else:
+        raise AssertionError(kind)
+    ids = torch.randint(0, mc.TINY["vocab_size"], (seq_len,), generator=g)
+    labels = torch.randint(0, mc.TINY["vocab_size"], (seq_len,), generator=g)
+    labels[torch.randperm(seq_len, generator=g)[: seq_len // 5]] = -100
+    return ids, labels, cu, plan, expected
+
+
+def _loss_weights(seq_len: int, seed: int):
+    g = torch.Generator().manual_seed(10_000 + seed)
+    h, v = mc.TINY["hidden_size"], mc.TINY["vocab_size"]
+    return {
+        "hidden_states": torch.randn(seq_len, h, generator=g),
+        "target_logprobs": torch.randn(seq_len, generator=g),
+        "logits": torch.randn(seq_len, v, generator=g) / 10,
+        "top_k": torch.randn(seq_len, TOP_K, generator=g),
+    }
+
+
+def _loss(fields: dict, weights: dict) -> torch.Tensor:
+    return sum((fields[k] * weights[k]).sum() for k in weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: megatron-core's own model at TP 1 / CP 1, one sequence at a time.
+
+
+def _capture(*, hidden_states, output_layer, output_weight, **_):
+    logits, _ = output_layer(hidden_states, weight=output_weight)
+    return hidden_states[:, 0], logits[:, 0]
+
+
+def _reference(ids, labels, cu, seed, model_kw):
+    """Reference fields, loss and parameter gradients (by name), computed on this rank alone."""
+    model = mc.build_tiny_gpt(reference=True, **model_kw)
+    cuts = cu if cu is not None else (0, ids.numel())
+    hidden, logits = [], []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        n = b - a
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
+        h, lg = model(
+            ids[None, a:b], torch.arange(n)[None], causal, output_processor=_capture
+        )
+        hidden.append(h)
+        logits.append(lg)
+    hidden, logits = torch.cat(hidden), torch.cat(logits)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = logprobs.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    target = torch.where(labels == -100, 0.0, target)
+    top_lp, top_ids = logprobs.topk(TOP_K, dim=-1)
+    fields = {"hidden_states": hidden, "target_logprobs": target, "logits": logits, "top_k": top_lp}
+    loss = _loss(fields, _loss_weights(ids.numel(), seed))
+    loss.backward()
+    out = {k: v.detach() for k, v in fields.items()}
+    out["top_k_tokens"] = top_ids
+    out["loss"] = loss.detach()
+    out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CP runs.
+
+
+def _full_grads(model, sum_group) -> dict:
+    """Parameter gradients summed over ``sum_group``, TP shards concatenated (by name)."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(tp_group)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=sum_group)
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(parts, g, group=tp_group)
+            g = torch.cat(parts, dim=p.partition_dim)
+        grads[name] = g
+    return grads
+
+
+def _compare(out, ref, grads) -> dict:
+    """Max abs errors of every field and the largest relative gradient error."""
+    errors = {
+        "hidden_states": (out.hidden_states - ref["hidden_states"]).abs().max().item(),
+        "target_logprobs": (out.target_logprobs - ref["target_logprobs"]).abs().max().item(),
+        "logits": (out.logits - ref["logits"]).abs().max().item(),
+        "top_k": (out.top_k.logprobs - ref["top_k"]).abs().max().item(),
+        "top_k_tokens_equal": bool(torch.equal(out.top_k.tokens, ref["top_k_tokens"])),
+    }
+    worst = 0.0
+    for name, g in ref["grads"].items():
+        scale = 1.0 + g.abs().max().item()
+        worst = max(worst, (grads[name] - g).abs().max().item() / scale)
+    errors["grads"] = worst
+    return errors
+
+
+def _run_cp_case(kind, tp, cp, seed, model_kw, references, check_default=True):
+    from megatron.core import parallel_state as ps
+
+    ids, labels, cu, plan, expected = _case(kind, cp, seed)
+    model = mc.build_tiny_gpt(**model_kw)
+    out = context_parallel_forward(
+        model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
+    )
+    fields = {
+        "hidden_states": out.hidden_states,
+        "target_logprobs": out.target_logprobs,
+        "logits": out.logits,
+        "top_k": out.top_k.logprobs,
+    }
+    _loss(fields, _loss_weights(ids.numel(), seed)).backward()
+    grads = _full_grads(model, ps.get_context_parallel_group())
+    errors = _compare(out, references[(kind, cp, seed, tuple(sorted(model_kw.items())))], grads)
+    errors["shapes_ok"] = (
+        tuple(out.hidden_states.shape) == (ids.numel(), mc.TINY["hidden_size"])
+        and tuple(out.logits.shape) == (ids.numel(), mc.TINY["vocab_size"])
+        and tuple(out.target_logprobs.shape) == (ids.numel(),)
+    )
+    if plan is None and check_default:
+        errors["default_plan_ok"] = out.plan == expected
+    return errors
+
+
+def _world(rank, world_size, cases, extra):
+    """Runs ``cases`` [(kind, tp, cp, seed, model_kw)] in turn; returns their errors by name."""
+    # References first, each on this rank alone (TP 1, CP 1: the world is pure DP here).
+    mc.init_parallel(1, 1)
+    refs = {}
+    for kind, _, cp, seed, kw in cases + extra.get("dp_cases", []):
+        key = (kind, cp, seed, tuple(sorted(kw.items())))
+        if key not in refs:
+            ids, labels, cu, _, _ = _case(kind, cp, seed)
+            refs[key] = _reference(ids, labels, cu, seed, kw)
+    results = {}
+    layout = None
+    for kind, tp, cp, seed, kw in cases:
+        if layout != (tp, cp):
+            mc.init_parallel(tp, cp)
+            layout = (tp, cp)
+        results[f"{kind}-tp{tp}-cp{cp}-{seed}-{kw}"] = _run_cp_case(kind, tp, cp, seed, kw, refs)
+    if extra.get("dp_cases"):
+        results.update(_data_parallel(rank, extra["dp_cases"], refs))
+    return results
+
+
+def _data_parallel(rank, dp_cases, refs):
+    """DP 2 x CP 2: each DP replica gets its own batch; losses reduce over pure DP only."""
+    from megatron.core import parallel_state as ps
+
+    mc.init_parallel(1, 2)
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=False)
+    kind, _, cp, seed, kw = dp_cases[dp_rank]
+    ids, labels, cu, plan, _ = _case(kind, cp, seed)
+    model = mc.build_tiny_gpt(**kw)
+    out = context_parallel_forward(
+        model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
+    )
+    fields = {
+        "hidden_states": out.hidden_states,
+        "target_logprobs": out.target_logprobs,
+        "logits": out.logits,
+        "top_k": out.top_k.logprobs,
+    }
+    loss = _loss(fields, _loss_weights(ids.numel(), seed))
+    total = reduce_over_data_parallel(loss)
+    loss.backward()
+    # Megatron's DDP reduces gradients over DP x CP.
+    grads = _full_grads(model, ps.get_data_parallel_group(with_context_parallel=True))
+    keys = [(k, c, s, tuple(sorted(w.items()))) for k, _, c, s, w in dp_cases]
+    expected_loss = sum(refs[k]["loss"] for k in keys)
+    worst = 0.0
+    for name in refs[keys[0]]["grads"]:
+        g = sum(refs[k]["grads"][name] for k in keys)
+        worst = max(worst, (grads[name] - g).abs().max().item() / (1.0 + g.abs().max().item()))
+    mine = _compare(out, refs[keys[dp_rank]], grads)
+    mine.pop("grads")
+    expected = expected_loss.item()
+    mine["loss_over_dp"] = abs(total.item() - expected) / (1 + abs(expected))
+    mine["grads"] = worst
+    return {f"dp2-cp2-replica{dp_rank}": mine}
+
+
+def _check(results_per_rank):
+    failures = []
+    for rank, results in enumerate(results_per_rank):
+        for name, errors in results.items():
+            for key, value in errors.items():
+                if isinstance(value, bool):
+                    ok = value
+                elif key in ("grads", "loss_over_dp"):
+                    ok = value <= GRAD_RTOL
+                else:
+                    ok = value <= ATOL
+                if not ok or (isinstance(value, float) and math.isnan(value)):
+                    failures.append(f"rank {rank} {name}: {key} = {value}")
+    assert not failures, "\n".join(failures)
+
+
+KINDS = ("zigzag", "contiguous", "thd", "uneven")
+
+
+def _cases(cp, tp=1, seed=0, kinds=KINDS, **kw):
+    return [(kind, tp, cp, seed + i, dict(kw)) for i, kind in enumerate(kinds)]
+
+
+def test_cp2_all_plans_and_cp1_paths():
+    cases = (
+        _cases(2)
+        + _cases(2, kinds=("zigzag",), seed=7, num_query_groups=2)
+        + _cases(2, kinds=("uneven",), seed=8, position_embedding_type="learned_absolute")
+    )
+    results = run_distributed(_world, 2, cases, {})
+    _check(results)
+
+
+def test_cp3_all_plans():
+    _check(run_distributed(_world, 3, _cases(3), {}))
+
+
+def test_cp4_tp2cp2_dp2cp2():
+    cases = _cases(4) + _cases(2, tp=2, kinds=("thd", "uneven"), seed=20)
+    dp_cases = _cases(2, kinds=("zigzag", "uneven"), seed=30)
+    _check(run_distributed(_world, 4, cases, {"dp_cases": dp_cases}))
+
+
+# ---------------------------------------------------------------------------------------------
+# CP 1 and the public helpers (no collective of CP size > 1 involved).
+
+
+def _cp1(rank, world_size):
+    """CP 1 through context_parallel_forward equals the reference, with either attention."""
+    mc.init_parallel(1, 1)
+    results = {}
+    for kind, seed in (("thd", 3), ("uneven", 4)):
+        ids, labels, cu, _, _ = _case(kind, 2, seed)
+        ref = _reference(ids, labels, cu, seed, {})
+        for reference_spec in (False, True):
+            model = mc.build_tiny_gpt(reference=reference_spec)
+            # A permuted one-rank plan: rows in an order other than the source order.
+            plan = ContextParallelPlan.from_rank_positions([torch.randperm(ids.numel())])
+            out = context_parallel_forward(
+                model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
+            )
+            fields = {
+                "hidden_states": out.hidden_states,
+                "target_logprobs": out.target_logprobs,
+                "logits": out.logits,
+                "top_k": out.top_k.logprobs,
+            }
+            _loss(fields, _loss_weights(ids.numel(), seed)).backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            results[f"cp1-{kind}-megatron_attention={reference_spec}"] = _compare(out, ref, grads)
+    return results
+
+
+def test_cp1_matches_reference_with_both_attentions():
+    _check(run_distributed(_cp1, 1))
+
+
+def test_default_plan_choice():
+    assert default_plan(24, 2) == ContextParallelPlan.zigzag(24, 2)
+    assert default_plan(26, 2) == ContextParallelPlan.contiguous(26, 2)
+    assert default_plan(24, 2, [0, 8, 24]) == ContextParallelPlan.thd([0, 8, 24], 2)
+    uneven = default_plan(10, 2, [0, 3, 10])
+    assert uneven.cu_seqlens == (0, 3, 10)
+    assert uneven.counts == (5, 5)
+    assert torch.equal(uneven.local_positions(1), torch.arange(5, 10))
+    with pytest.raises(ValueError, match="ends at 9"):
+        default_plan(10, 2, [0, 3, 9])
+
+
+def _bad_inputs(rank, world_size):
+    mc.init_parallel(1, world_size)
+    model = mc.build_tiny_gpt()
+    ids = torch.randint(0, 128, (24,))
+    messages = []
+    for kwargs in (
+        dict(plan=ContextParallelPlan.zigzag(16, world_size)),
+        dict(plan=ContextParallelPlan.zigzag(24, 1)),
+        dict(cu_seqlens=[0, 8, 20]),
+        dict(position_ids=torch.arange(23)),
+        dict(labels=torch.zeros(25, dtype=torch.int64)),
+    ):
+        try:
+            context_parallel_forward(model, ids, **kwargs)
+            messages.append(None)
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_bad_inputs_raise_on_every_rank_before_any_collective():
+    per_rank = run_distributed(_bad_inputs, 2)
+    assert per_rank[0] == per_rank[1]
+    expected = ["16 positions", "cp_size 1", "ends at 20", "23 positions", "25 positions"]
+    for message, needle in zip(per_rank[0], expected):
+        assert message is not None and needle in message, (message, needle)
