@@ -160,9 +160,8 @@ def _compare(out, ref, grads) -> dict:
     return errors
 
 
-def _run_cp_case(kind, tp, cp, seed, model_kw, references, check_default=True):
-    from megatron.core import parallel_state as ps
-
+def _forward_and_loss(kind, cp, seed, model_kw):
+    """The tiny model's CP forward of case ``kind`` and the test loss on every field."""
     ids, labels, cu, plan, expected = _case(kind, cp, seed)
     model = mc.build_tiny_gpt(**model_kw)
     out = context_parallel_forward(
@@ -174,7 +173,14 @@ def _run_cp_case(kind, tp, cp, seed, model_kw, references, check_default=True):
         "logits": out.logits,
         "top_k": out.top_k.logprobs,
     }
-    _loss(fields, _loss_weights(ids.numel(), seed)).backward()
+    return ids, plan, expected, model, out, _loss(fields, _loss_weights(ids.numel(), seed))
+
+
+def _run_cp_case(kind, tp, cp, seed, model_kw, references, check_default=True):
+    from megatron.core import parallel_state as ps
+
+    ids, plan, expected, model, out, loss = _forward_and_loss(kind, cp, seed, model_kw)
+    loss.backward()
     grads = _full_grads(model, ps.get_context_parallel_group())
     errors = _compare(out, references[(kind, cp, seed, tuple(sorted(model_kw.items())))], grads)
     errors["shapes_ok"] = (
@@ -216,18 +222,7 @@ def _data_parallel(rank, dp_cases, refs):
     mc.init_parallel(1, 2)
     dp_rank = ps.get_data_parallel_rank(with_context_parallel=False)
     kind, _, cp, seed, kw = dp_cases[dp_rank]
-    ids, labels, cu, plan, _ = _case(kind, cp, seed)
-    model = mc.build_tiny_gpt(**kw)
-    out = context_parallel_forward(
-        model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
-    )
-    fields = {
-        "hidden_states": out.hidden_states,
-        "target_logprobs": out.target_logprobs,
-        "logits": out.logits,
-        "top_k": out.top_k.logprobs,
-    }
-    loss = _loss(fields, _loss_weights(ids.numel(), seed))
+    ids, plan, _, model, out, loss = _forward_and_loss(kind, cp, seed, kw)
     total = reduce_over_data_parallel(loss)
     loss.backward()
     # Megatron's DDP reduces gradients over DP x CP.

@@ -6,24 +6,9 @@ import warnings
 
 import pytest
 import torch
+from _rows import DTYPES, random_index
 
 from megatron.context_parallel import _extension, ops
-
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-]
-if hasattr(torch, "float8_e4m3fn"):
-    DTYPES.append(torch.float8_e4m3fn)
 
 
 def _random(shape, dtype, gen):
@@ -35,15 +20,6 @@ def _random(shape, dtype, gen):
         return torch.randn(shape, generator=gen, dtype=dtype)
     info = torch.iinfo(dtype)
     return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen).to(dtype)
-
-
-def _random_index(num_out, num_src, gen, missing=0.2):
-    """int64 [num_out] in [-1, num_src): repeats allowed, about `missing` of them -1."""
-    if num_src == 0:
-        return torch.full((num_out,), -1, dtype=torch.int64)
-    idx = torch.randint(0, num_src, (num_out,), generator=gen)
-    drop = torch.rand(num_out, generator=gen) < missing
-    return torch.where(drop, torch.full_like(idx, -1), idx)
 
 
 def _ref_gather(src, index):
@@ -81,7 +57,7 @@ def test_scatter_rows_matches_reference_for_random_layouts():
         row_bytes = sum(widths) + 3  # trailing bytes no field covers
         packed = torch.randint(0, 256, (slots, row_bytes), generator=gen, dtype=torch.uint8)
         for num_out in (0, 1, 17):
-            row_source = _random_index(num_out, slots, gen)
+            row_source = random_index(num_out, slots, gen)
             got = ops.scatter_rows(packed, row_source, offsets, widths)
             want = _ref_scatter(packed, row_source, offsets, widths)
             assert len(got) == len(want)
@@ -111,7 +87,7 @@ def test_gather_rows_matches_reference_every_dtype(dtype):
     for shape in [(11,), (11, 1), (11, 3), (11, 5, 7), (0, 3), (4, 0)]:
         src = _random(shape, dtype, gen)
         for num_out in (0, 1, 13):
-            index = _random_index(num_out, shape[0], gen)
+            index = random_index(num_out, shape[0], gen)
             got = ops.gather_rows(src, index)
             assert got.dtype == dtype and got.shape == (num_out,) + shape[1:]
             want = _ref_gather(src, index)
@@ -121,7 +97,7 @@ def test_gather_rows_matches_reference_every_dtype(dtype):
 def test_gather_rows_strided_views():
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(20, 9, generator=gen)
-    index = _random_index(15, 10, gen)
+    index = random_index(15, 10, gen)
     for src in (base[::2], base[:10, 1:8], base.t()[:, :10].t(), base[:10].expand(10, 9)):
         assert torch.equal(ops.gather_rows(src, index), _ref_gather(src.contiguous(), index))
 
@@ -164,16 +140,16 @@ def test_bad_inputs_raise_before_any_work():
 def test_opcheck_cpu():
     gen = torch.Generator().manual_seed(5)
     packed = torch.randint(0, 256, (8, 40), generator=gen, dtype=torch.uint8)
-    row_source = _random_index(12, 8, gen)
+    row_source = random_index(12, 8, gen)
     torch.library.opcheck(
         torch.ops.megatron_cp.scatter_rows.default, (packed, row_source, [0, 32], [32, 6])
     )
     src = torch.randn(9, 4, generator=gen, requires_grad=True)
-    index = _random_index(7, 9, gen)
+    index = random_index(7, 9, gen)
     torch.library.opcheck(torch.ops.megatron_cp.gather_rows.default, (src, index))
     torch.library.opcheck(
         torch.ops.megatron_cp.gather_rows.default,
-        (torch.randint(0, 9, (9, 3), generator=gen), _random_index(5, 9, gen)),
+        (torch.randint(0, 9, (9, 3), generator=gen), random_index(5, 9, gen)),
     )
 
 
@@ -186,8 +162,8 @@ def _unpack_and_pick(packed, row_source, local_index):
 def test_ops_trace_under_torch_compile():
     gen = torch.Generator().manual_seed(6)
     packed = torch.randint(0, 256, (10, 24), generator=gen, dtype=torch.uint8)
-    row_source = _random_index(14, 10, gen)
-    local_index = _random_index(6, 14, gen)
+    row_source = random_index(14, 10, gen)
+    local_index = random_index(6, 14, gen)
     compiled = torch.compile(_unpack_and_pick, backend="aot_eager", fullgraph=True)
     for got, want in zip(
         compiled(packed, row_source, local_index), _unpack_and_pick(packed, row_source, local_index)

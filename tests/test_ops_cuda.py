@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from _rows import DTYPES, random_index
 
 from megatron.context_parallel import ops
 
@@ -20,21 +21,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-]
-if hasattr(torch, "float8_e4m3fn"):
-    DTYPES.append(torch.float8_e4m3fn)
 
 POISON = 0xA5
 
@@ -51,14 +37,6 @@ def _poison_allocator(nbytes=64 << 20):
 
 def _random_bytes(shape, gen):
     return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
-
-
-def _random_index(num_out, num_src, gen, missing=0.2):
-    if num_src == 0:
-        return torch.full((num_out,), -1, dtype=torch.int64)
-    idx = torch.randint(0, num_src, (num_out,), generator=gen)
-    drop = torch.rand(num_out, generator=gen) < missing
-    return torch.where(drop, torch.full_like(idx, -1), idx)
 
 
 def _random_src(shape, dtype, gen):
@@ -106,7 +84,7 @@ def test_scatter_rows_equals_cpu_for_random_layouts():
             row_bytes = lead + sum(widths) + 5
             for slots, num_out in ((37, 50), (1, 3), (5, 0), (0, 6)):
                 packed = _random_bytes((slots, row_bytes), gen)
-                row_source = _random_index(num_out, slots, gen)
+                row_source = random_index(num_out, slots, gen)
                 want = ops.scatter_rows(packed, row_source, offsets, widths)
                 _poison_allocator()
                 got = ops.scatter_rows(packed.cuda(), row_source.cuda(), offsets, widths)
@@ -119,7 +97,7 @@ def test_scatter_rows_equals_cpu_for_random_layouts():
 def test_scatter_rows_column_slice_of_wider_buffer():
     gen = torch.Generator().manual_seed(11)
     wide = _random_bytes((64, 1000), gen)
-    row_source = _random_index(300, 64, gen)
+    row_source = random_index(300, 64, gen)
     for start, stop in ((16, 528), (1, 514), (8, 1000)):
         view = wide[:, start:stop]
         widths = [stop - start - 2, 2]
@@ -136,7 +114,7 @@ def test_gather_rows_equals_cpu_every_dtype(dtype):
     for shape in [(33,), (33, 1), (33, 3), (33, 5, 7), (33, 5120), (0, 4), (6, 0)]:
         src = _random_src(shape, dtype, gen)
         for num_out in (0, 1, 70):
-            index = _random_index(num_out, shape[0], gen)
+            index = random_index(num_out, shape[0], gen)
             want = ops.gather_rows(src, index)
             _poison_allocator()
             got = ops.gather_rows(src.cuda(), index.cuda())
@@ -146,7 +124,7 @@ def test_gather_rows_equals_cpu_every_dtype(dtype):
 def test_gather_rows_misaligned_and_strided_views():
     gen = torch.Generator().manual_seed(13)
     base = _random_src((40, 131), torch.bfloat16, gen)
-    index = _random_index(90, 20, gen)
+    index = random_index(90, 20, gen)
     cases = [
         lambda b: b[1:21],  # 262-byte rows starting 2 bytes past the allocation
         lambda b: b[::2],  # row stride twice the row
@@ -162,7 +140,7 @@ def test_gather_rows_misaligned_and_strided_views():
 def test_gather_rows_gradient_on_cuda():
     gen = torch.Generator().manual_seed(14)
     src = torch.randn(50, 24, generator=gen)
-    index = _random_index(80, 50, gen)
+    index = random_index(80, 50, gen)
     grad = torch.randn(80, 24, generator=gen)
     grads = []
     for device in ("cpu", "cuda"):
@@ -199,12 +177,12 @@ def test_offsets_past_2_31_bytes():
 def test_opcheck_cuda():
     gen = torch.Generator().manual_seed(16)
     packed = _random_bytes((8, 40), gen).cuda()
-    row_source = _random_index(12, 8, gen).cuda()
+    row_source = random_index(12, 8, gen).cuda()
     torch.library.opcheck(
         torch.ops.megatron_cp.scatter_rows.default, (packed, row_source, [0, 32], [32, 6])
     )
     src = torch.randn(9, 4, generator=gen).cuda().requires_grad_()
-    index = _random_index(7, 9, gen).cuda()
+    index = random_index(7, 9, gen).cuda()
     torch.library.opcheck(torch.ops.megatron_cp.gather_rows.default, (src, index))
 
 
@@ -214,7 +192,7 @@ def test_scatter_rows_in_cuda_graph():
     packed = torch.empty((slots, row_bytes), dtype=torch.uint8, device="cuda")
     row_source = torch.empty(seq, dtype=torch.int64, device="cuda")
     packed.copy_(_random_bytes((slots, row_bytes), gen))
-    row_source.copy_(_random_index(seq, slots, gen))
+    row_source.copy_(random_index(seq, slots, gen))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -226,7 +204,7 @@ def test_scatter_rows_in_cuda_graph():
         outs = ops.scatter_rows(packed, row_source, [0, 10240], [10240, 4])
     for _ in range(3):
         new_packed = _random_bytes((slots, row_bytes), gen)
-        new_index = _random_index(seq, slots, gen)
+        new_index = random_index(seq, slots, gen)
         packed.copy_(new_packed)
         row_source.copy_(new_index)
         graph.replay()
@@ -245,8 +223,8 @@ def test_ops_under_torch_compile_cuda():
     gen = torch.Generator().manual_seed(18)
     packed = _random_bytes((30, 72), gen)
     packed[:, :64] = torch.randn(30, 32, generator=gen).bfloat16().view(torch.uint8)
-    row_source = _random_index(40, 30, gen)
-    local_index = _random_index(25, 40, gen)
+    row_source = random_index(40, 30, gen)
+    local_index = random_index(25, 40, gen)
     args = [t.cuda() for t in (packed, row_source, local_index)]
     compiled = torch.compile(_unpack_scale_pick, fullgraph=True)
     for got, want in zip(compiled(*args), _unpack_scale_pick(*args)):
