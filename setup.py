@@ -54,7 +54,9 @@ def _cuda_build_decision():
         from torch.utils import cpp_extension
     except ImportError as exc:
         if force:
-            raise RuntimeError(f"MCP_FORCE_CUDA_BUILD is set but torch is not importable: {exc}")
+            raise RuntimeError(
+                f"MCP_FORCE_CUDA_BUILD is set but torch is not importable: {exc}"
+            ) from exc
         return False, "torch is not importable (use --no-build-isolation)", {}
     details = {"torch": torch.__version__, "torch CUDA": torch.version.cuda}
     nvcc = _find_nvcc(cpp_extension.CUDA_HOME)

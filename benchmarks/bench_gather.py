@@ -137,8 +137,10 @@ class Payload:
 
     @property
     def row_bytes(self) -> int:
-        return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size()
-                   for _, shape, dt in self.fields)
+        return sum(
+            math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+            for _, shape, dt in self.fields
+        )
 
 
 def make_payloads(cp: int, scale: float = 1.0, sweep: bool = False) -> List[Payload]:
@@ -152,8 +154,7 @@ def make_payloads(cp: int, scale: float = 1.0, sweep: bool = False) -> List[Payl
         Payload(
             "top_k",
             (rows,),
-            (("top_k_logprobs", (TOP_K,), torch.float32),
-             ("top_k_tokens", (TOP_K,), torch.int64)),
+            (("top_k_logprobs", (TOP_K,), torch.float32), ("top_k_tokens", (TOP_K,), torch.int64)),
         ),
     ]
     # Uneven packed lengths, fixed by seed so every rank and every run agree.
@@ -224,10 +225,12 @@ class Setup:
         gather_perm = torch.cat([self.plan.local_positions(r) for r in range(self.cp)])
         self.inverse_perm = torch.argsort(gather_perm).to(device)
         # Floor: the same padded byte payload ours moves, buffers allocated once.
-        self.send = torch.empty(self.plan.max_count, payload.row_bytes, dtype=torch.uint8,
-                                device=device)
-        self.recv = torch.empty(self.cp * self.plan.max_count, payload.row_bytes,
-                                dtype=torch.uint8, device=device)
+        self.send = torch.empty(
+            self.plan.max_count, payload.row_bytes, dtype=torch.uint8, device=device
+        )
+        self.recv = torch.empty(
+            self.cp * self.plan.max_count, payload.row_bytes, dtype=torch.uint8, device=device
+        )
 
     @property
     def recv_bytes(self) -> int:
@@ -261,8 +264,9 @@ def run_a_allreduce(s: Setup):
     for name, local in s.local.items():
         items = []
         for lo, hi, length, positions in s.art_items:
-            full = torch.zeros((length,) + tuple(local.shape[1:]), dtype=local.dtype,
-                               device=local.device)
+            full = torch.zeros(
+                (length,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device
+            )
             full.index_copy_(0, positions, local[lo:hi])
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=s.group)
             items.append(full)
@@ -339,8 +343,9 @@ def check_setup(s: Setup) -> None:
                 raise AssertionError(f"{s.payload.name}: {approach} differs from ours on {name}")
 
 
-def check_approaches(group=None, device: Optional[torch.device] = None, scale: float = 400.0
-                     ) -> List[str]:
+def check_approaches(
+    group=None, device: Optional[torch.device] = None, scale: float = 400.0
+) -> List[str]:
     """Checks every approach against ours and the reference on every payload; names checked."""
     device = torch.device("cpu") if device is None else device
     group = dist.group.WORLD if group is None else group
@@ -356,8 +361,9 @@ def check_approaches(group=None, device: Optional[torch.device] = None, scale: f
 # Measurement.
 
 
-def _time_call(fn, s: Setup, warmup: int, reps: int, cuda: bool, min_seconds: float,
-               max_reps: int) -> List[float]:
+def _time_call(
+    fn, s: Setup, warmup: int, reps: int, cuda: bool, min_seconds: float, max_reps: int
+) -> List[float]:
     """Per-call seconds of this rank; at least ``reps`` calls, more for fast calls."""
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -427,15 +433,23 @@ def _peak_bytes(fn, s: Setup, cuda: bool) -> Optional[int]:
 
 def _max_over_ranks(values: Sequence[float], group, device: torch.device) -> List[float]:
     mine = torch.tensor(list(values), dtype=torch.float64, device=device)
-    everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.float64,
-                           device=device)
+    everyone = torch.empty(
+        dist.get_world_size(group) * mine.numel(), dtype=torch.float64, device=device
+    )
     dist.all_gather_into_tensor(everyone, mine, group=group)
     return everyone.view(dist.get_world_size(group), -1).max(dim=0).values.tolist()
 
 
-def bench_payload(payload: Payload, group, device: torch.device, warmup: int, reps: int,
-                  approaches: Sequence[str], min_seconds: float = 0.0, max_reps: int = 200
-                  ) -> Dict:
+def bench_payload(
+    payload: Payload,
+    group,
+    device: torch.device,
+    warmup: int,
+    reps: int,
+    approaches: Sequence[str],
+    min_seconds: float = 0.0,
+    max_reps: int = 200,
+) -> Dict:
     cuda = device.type == "cuda"
     s = Setup(payload, group, device)
     check_setup(s)
@@ -512,8 +526,12 @@ def memory_table(results: Sequence[Dict], approaches: Sequence[str]) -> str:
         cells += [_mb(r["approaches"][a]["peak_bytes"]) for a in approaches]
         ours = r["approaches"].get("ours", {}).get("peak_bytes")
         cells.append("n/a" if ours is None else f"{ours / _bound(r):.2f}")
-        cells.append("/".join(str(calls(a, _payload_of(r))) for a in
-                              ("a_allreduce", "b_index_select", "c_unzigzag")))
+        cells.append(
+            "/".join(
+                str(calls(a, _payload_of(r)))
+                for a in ("a_allreduce", "b_index_select", "c_unzigzag")
+            )
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -551,8 +569,10 @@ def target_lines(results: Sequence[Dict], backend: str) -> List[str]:
         if ours is not None:
             worst = max(worst or 0.0, ours / _bound(r))
     if worst is not None:
-        lines.append(f"memory: max ours peak / bound = {worst:.2f} (target <= 1): "
-                     f"{verdict(worst <= 1.0)}")
+        lines.append(
+            f"memory: max ours peak / bound = {worst:.2f} (target <= 1): "
+            f"{verdict(worst <= 1.0)}"
+        )
     return [line + tag for line in lines]
 
 
@@ -573,33 +593,55 @@ def plot(results: Sequence[Dict], approaches: Sequence[str], path: str, title: s
     sweep = [r for r in ordered if r["payload"].startswith("hidden_states")]
     others = [r for r in ordered if not r["payload"].startswith("hidden_states")]
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=100)
-    styles = {"floor": ("k", "--", "s"), "ours": ("tab:blue", "-", "o"),
-              "a_allreduce": ("tab:red", "-", "^"), "b_index_select": ("tab:green", "-", "v"),
-              "c_unzigzag": ("tab:purple", "-", "D")}
+    styles = {
+        "floor": ("k", "--", "s"),
+        "ours": ("tab:blue", "-", "o"),
+        "a_allreduce": ("tab:red", "-", "^"),
+        "b_index_select": ("tab:green", "-", "v"),
+        "c_unzigzag": ("tab:purple", "-", "D"),
+    }
 
     def xy(rows, a):
-        return ([r["gathered_bytes"] / 1e6 for r in rows],
-                [r["approaches"][a]["median_s"] * 1e3 for r in rows])
+        return (
+            [r["gathered_bytes"] / 1e6 for r in rows],
+            [r["approaches"][a]["median_s"] * 1e3 for r in rows],
+        )
 
     for a in approaches:
         color, ls, marker = styles[a]
-        ax.plot(*xy(sweep, a), color=color, linestyle=ls, marker=marker, markersize=5,
-                label=LABELS[a])
-        ax.plot(*xy(others, a), color=color, linestyle="none", marker=marker, markersize=6,
-                markerfacecolor="none")
+        ax.plot(
+            *xy(sweep, a), color=color, linestyle=ls, marker=marker, markersize=5, label=LABELS[a]
+        )
+        ax.plot(
+            *xy(others, a),
+            color=color,
+            linestyle="none",
+            marker=marker,
+            markersize=6,
+            markerfacecolor="none",
+        )
     for r in ordered:
         top = max(e["median_s"] for e in r["approaches"].values()) * 1e3
-        ax.annotate(r["payload"], (r["gathered_bytes"] / 1e6, top), textcoords="offset points",
-                    xytext=(0, 6), fontsize=7, ha="center")
+        ax.annotate(
+            r["payload"],
+            (r["gathered_bytes"] / 1e6, top),
+            textcoords="offset points",
+            xytext=(0, 6),
+            fontsize=7,
+            ha="center",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("gathered payload per rank, MB (all fields, padded rows)")
     ax.set_ylabel("median time per call, ms")
     ax.set_title("\n".join(textwrap.wrap(title, 95)), fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left",
-              title="lines: hidden-state size sweep; open markers: other payloads",
-              title_fontsize=7)
+    ax.legend(
+        fontsize=7,
+        loc="upper left",
+        title="lines: hidden-state size sweep; open markers: other payloads",
+        title_fontsize=7,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -617,21 +659,36 @@ def _device_description(device: torch.device) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu uses gloo, cuda uses NCCL (one GPU per rank, LOCAL_RANK)")
-    parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                        help="auto: NCCL for cuda, gloo for cpu; gloo with --device cuda runs "
-                             "several ranks on one GPU (correctness and GPU memory, not speed)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu uses gloo, cuda uses NCCL (one GPU per rank, LOCAL_RANK)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: NCCL for cuda, gloo for cpu; gloo with --device cuda runs "
+        "several ranks on one GPU (correctness and GPU memory, not speed)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="divide every row count by this")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per approach")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
-    parser.add_argument("--min-seconds", type=float, default=1.0,
-                        help="time each approach for at least this long (more reps, fast calls)")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=1.0,
+        help="time each approach for at least this long (more reps, fast calls)",
+    )
     parser.add_argument("--max-reps", type=int, default=200, help="cap on timed calls")
     parser.add_argument("--sweep", action="store_true", help="add smaller hidden-state payloads")
     parser.add_argument("--payloads", default="", help="comma-separated payload names (all)")
-    parser.add_argument("--approaches", default=",".join(APPROACHES),
-                        help=f"comma-separated subset of {','.join(APPROACHES)}")
+    parser.add_argument(
+        "--approaches",
+        default=",".join(APPROACHES),
+        help=f"comma-separated subset of {','.join(APPROACHES)}",
+    )
     parser.add_argument("--json", default="", help="write all results here (rank 0)")
     parser.add_argument("--markdown", default="", help="write the tables here (rank 0)")
     parser.add_argument("--plot", default="", help="write a PNG plot here (needs matplotlib)")
@@ -647,8 +704,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     if "RANK" not in os.environ:
-        print("launch with torchrun, e.g. PYTHONPATH=. torchrun --nproc-per-node 2 "
-              "benchmarks/bench_gather.py --device cpu", file=sys.stderr)
+        print(
+            "launch with torchrun, e.g. PYTHONPATH=. torchrun --nproc-per-node 2 "
+            "benchmarks/bench_gather.py --device cpu",
+            file=sys.stderr,
+        )
         return 2
     if args.device == "cuda":
         # NCCL needs one GPU per rank; gloo moves CUDA tensors through the host, so its ranks
@@ -684,38 +744,67 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         backend = dist.get_backend(group)
         results = []
         for payload in payloads:
-            results.append(bench_payload(payload, group, device, args.warmup, args.reps,
-                                         approaches, args.min_seconds, args.max_reps))
+            results.append(
+                bench_payload(
+                    payload,
+                    group,
+                    device,
+                    args.warmup,
+                    args.reps,
+                    approaches,
+                    args.min_seconds,
+                    args.max_reps,
+                )
+            )
             if rank == 0:
                 r = results[-1]
-                print(f"[{payload.name}] " + ", ".join(
-                    f"{SHORT[a]} {_ms(e['median_s'])} ms" for a, e in r["approaches"].items()),
-                    flush=True)
+                print(
+                    f"[{payload.name}] "
+                    + ", ".join(
+                        f"{SHORT[a]} {_ms(e['median_s'])} ms" for a, e in r["approaches"].items()
+                    ),
+                    flush=True,
+                )
         if rank != 0:
             return 0
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        header = (f"CP {cp}, {backend}, {_device_description(device)}, torch {torch.__version__}, "
-                  f"scale {args.scale:g}, median of >= {args.reps} reps (>= {args.min_seconds:g} s "
-                  f"per approach, <= {args.max_reps}) after {args.warmup} warm-up, {when}")
+        header = (
+            f"CP {cp}, {backend}, {_device_description(device)}, torch {torch.__version__}, "
+            f"scale {args.scale:g}, median of >= {args.reps} reps (>= {args.min_seconds:g} s "
+            f"per approach, <= {args.max_reps}) after {args.warmup} warm-up, {when}"
+        )
         command = "torchrun --nproc-per-node {} benchmarks/bench_gather.py {}".format(
-            cp, " ".join(argv if argv is not None else sys.argv[1:]))
-        text = "\n\n".join([
-            header,
-            "Median time per call, ms (ratio to the floor):\n\n" + time_table(results, approaches),
-            "Peak memory per rank, MB (bound = padded receive buffer + outputs [+ send buffer "
-            "when several fields]):\n\n" + memory_table(results, approaches),
-            "Targets:\n" + "\n".join(f"- {line}" for line in target_lines(results, backend)),
-            f"Command: `{command}`",
-        ])
+            cp, " ".join(argv if argv is not None else sys.argv[1:])
+        )
+        text = "\n\n".join(
+            [
+                header,
+                "Median time per call, ms (ratio to the floor):\n\n"
+                + time_table(results, approaches),
+                "Peak memory per rank, MB (bound = padded receive buffer + outputs [+ send buffer "
+                "when several fields]):\n\n" + memory_table(results, approaches),
+                "Targets:\n" + "\n".join(f"- {line}" for line in target_lines(results, backend)),
+                f"Command: `{command}`",
+            ]
+        )
         print("\n" + text)
         if args.markdown:
             with open(args.markdown, "w") as f:
                 f.write(text + "\n")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"header": header, "command": command, "cp": cp, "backend": backend,
-                           "device": _device_description(device), "results": results}, f,
-                          indent=1)
+                json.dump(
+                    {
+                        "header": header,
+                        "command": command,
+                        "cp": cp,
+                        "backend": backend,
+                        "device": _device_description(device),
+                        "results": results,
+                    },
+                    f,
+                    indent=1,
+                )
         if args.plot:
             plot(results, approaches, args.plot, header)
         return 0

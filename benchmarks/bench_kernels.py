@@ -133,6 +133,7 @@ def bench_scatter(name, plan, plan_name, widths, dtypes, reps, results, per_fiel
         ("device copy (same bytes)", device_copy),
     ]
     if per_field_too and len(widths) > 1:
+
         def per_field(k):
             return lambda: [
                 ops.scatter_rows(packs[k], row_source, [o], [w]) for o, w in zip(offsets, widths)
@@ -214,44 +215,111 @@ def main():
     cps = (4,) if args.quick else (2, 4, 8)
     for cp in cps:
         zigzag = ContextParallelPlan.zigzag(SEED_ROWS - SEED_ROWS % (2 * cp), cp)
-        bench_scatter("hidden 20436x5120 bf16", zigzag,
-                      f"zigzag CP{cp}", [hidden_bytes], [bf16], args.reps, results)
-        bench_scatter("hidden 20436x5120 bf16", _uneven_plan(SEED_ROWS, cp, gen),
-                      f"uneven CP{cp}", [hidden_bytes], [bf16], args.reps, results)
+        bench_scatter(
+            "hidden 20436x5120 bf16",
+            zigzag,
+            f"zigzag CP{cp}",
+            [hidden_bytes],
+            [bf16],
+            args.reps,
+            results,
+        )
+        bench_scatter(
+            "hidden 20436x5120 bf16",
+            _uneven_plan(SEED_ROWS, cp, gen),
+            f"uneven CP{cp}",
+            [hidden_bytes],
+            [bf16],
+            args.reps,
+            results,
+        )
     if not args.quick or args.with_logits:
-        bench_scatter("logits 4096x151936 bf16", _uneven_plan(4096, 4, gen, unowned=0.0),
-                      "uneven CP4", [151936 * 2], [bf16], max(20, args.reps // 5), results)
+        bench_scatter(
+            "logits 4096x151936 bf16",
+            _uneven_plan(4096, 4, gen, unowned=0.0),
+            "uneven CP4",
+            [151936 * 2],
+            [bf16],
+            max(20, args.reps // 5),
+            results,
+        )
     if not args.quick:
-        bench_scatter("per-token fp32 (4 B)", _uneven_plan(SEED_ROWS, 4, gen), "uneven CP4",
-                      [4], [torch.float32], args.reps, results)
-        bench_scatter("top-k 20 (int64 + fp32)", _uneven_plan(SEED_ROWS, 4, gen), "uneven CP4",
-                      [160, 80], [torch.int64, torch.float32], args.reps, results,
-                      per_field_too=True)
+        bench_scatter(
+            "per-token fp32 (4 B)",
+            _uneven_plan(SEED_ROWS, 4, gen),
+            "uneven CP4",
+            [4],
+            [torch.float32],
+            args.reps,
+            results,
+        )
+        bench_scatter(
+            "top-k 20 (int64 + fp32)",
+            _uneven_plan(SEED_ROWS, 4, gen),
+            "uneven CP4",
+            [160, 80],
+            [torch.int64, torch.float32],
+            args.reps,
+            results,
+            per_field_too=True,
+        )
         mixed = [hidden_bytes, 160, 80, 4]
         mixed_types = [bf16, torch.int64, torch.float32, torch.float32]
         plan = _uneven_plan(SEED_ROWS, 4, gen)
-        bench_scatter("hidden+top-k+logp, row 10484 B", plan, "uneven CP4", mixed, mixed_types,
-                      args.reps, results, per_field_too=True)
-        bench_scatter("hidden+top-k+logp, row padded to 10496 B", plan, "uneven CP4", mixed,
-                      mixed_types, args.reps, results, per_field_too=True, pad=12)
+        bench_scatter(
+            "hidden+top-k+logp, row 10484 B",
+            plan,
+            "uneven CP4",
+            mixed,
+            mixed_types,
+            args.reps,
+            results,
+            per_field_too=True,
+        )
+        bench_scatter(
+            "hidden+top-k+logp, row padded to 10496 B",
+            plan,
+            "uneven CP4",
+            mixed,
+            mixed_types,
+            args.reps,
+            results,
+            per_field_too=True,
+            pad=12,
+        )
         plan = _uneven_plan(SEED_ROWS, 4, gen)
         for r in range(1):
             index = plan.local_positions(r, torch.device("cuda"))
-            bench_gather("backward: own rows of grad", SEED_ROWS, SEED_HIDDEN, torch.bfloat16,
-                         index, args.reps, results)
-    lines = ["| case | plan | row bytes | rows | method | time (us) | GB/s |",
-             "|---|---|---:|---:|---|---:|---:|"]
+            bench_gather(
+                "backward: own rows of grad",
+                SEED_ROWS,
+                SEED_HIDDEN,
+                torch.bfloat16,
+                index,
+                args.reps,
+                results,
+            )
+    lines = [
+        "| case | plan | row bytes | rows | method | time (us) | GB/s |",
+        "|---|---|---:|---:|---|---:|---:|",
+    ]
     for r in results:
-        lines.append(f"| {r['case']} | {r['plan']} | {r['row_bytes']} | {r['rows']} | "
-                     f"{r['method']} | {r['us']:.1f} | {r['GB/s']:.0f} |")
+        lines.append(
+            f"| {r['case']} | {r['plan']} | {r['row_bytes']} | {r['rows']} | "
+            f"{r['method']} | {r['us']:.1f} | {r['GB/s']:.0f} |"
+        )
     table = "\n".join(lines)
     print(table)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
     if args.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "cuda": torch.version.cuda, "results": results}
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "results": results,
+        }
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
 

@@ -45,7 +45,10 @@ def full_fields(seq_len: int, hidden: int):
 def worker(rank: int, cp: int, port: int, seq_len: int, hidden: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=cp,
         timeout=datetime.timedelta(seconds=60),
     )
     plan = uneven_plan(seq_len, cp, seed=1)

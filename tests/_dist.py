@@ -168,7 +168,9 @@ class DistributedPool:
             except Exception:  # noqa: BLE001 - queue.Empty: a rank hung
                 self.close()
                 self._start()
-                raise WorkerError(f"a rank did not finish {fn.__name__} in {self.timeout} s")
+                raise WorkerError(
+                    f"a rank did not finish {fn.__name__} in {self.timeout} s"
+                ) from None
             if ok:
                 results[rank] = payload
             else:

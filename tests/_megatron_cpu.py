@@ -64,11 +64,12 @@ def build_tiny_gpt(
         position_embedding_type: ``"rope"`` or ``"learned_absolute"``.
         num_query_groups: for GQA; None for plain multi-head attention.
     """
-    from megatron.context_parallel.attention import get_gpt_layer_with_context_parallel_spec
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.context_parallel.attention import get_gpt_layer_with_context_parallel_spec
 
     config = TransformerConfig(
         num_layers=TINY["num_layers"],

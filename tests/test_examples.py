@@ -150,7 +150,11 @@ def test_gather_demo_returns_source_order_on_uneven_shards():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, "gather_demo.py"), "--cp", "3", "--seq-len", "23"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from _dist import DistributedPool, WorkerError
 from hypothesis import given, settings
-from megatron.core import parallel_state  # noqa: F401  (imported once, before workers fork)
 from hypothesis import strategies as st
+from megatron.core import parallel_state  # noqa: F401  (imported once, before workers fork)
 
 from megatron.context_parallel import (
     ContextParallelPlan,
@@ -20,8 +20,17 @@ from megatron.context_parallel import (
     scatter_to_context_parallel_region,
 )
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.bool,
-          torch.int32, torch.uint8, torch.complex64]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int64,
+    torch.bool,
+    torch.int32,
+    torch.uint8,
+    torch.complex64,
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,21 +94,38 @@ def _w_gather_fields(rank, world, plan, specs, seq_dim, noncontiguous):
         expected[name] = _expected(full, plan, seq_dim)
     out = gather_from_context_parallel_region(fields, plan, dist.group.WORLD, seq_dim=seq_dim)
     assert isinstance(out, dict) and list(out) == list(fields)
-    return {k: (torch.equal(out[k], expected[k]), out[k].dtype == expected[k].dtype,
-                tuple(out[k].shape)) for k in fields}
+    return {
+        k: (
+            torch.equal(out[k], expected[k]),
+            out[k].dtype == expected[k].dtype,
+            tuple(out[k].shape),
+        )
+        for k in fields
+    }
 
 
 def _w_structures_and_count(rank, world, plan):
     """Tuple/list/tensor structures, and exactly one data collective per gather."""
     calls = []
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor", "all_gather",
-                         "all_reduce", "broadcast", "all_to_all_single") if hasattr(dist, n)]
+    names = [
+        n
+        for n in (
+            "all_gather_single",
+            "all_gather_into_tensor",
+            "all_gather",
+            "all_reduce",
+            "broadcast",
+            "all_to_all_single",
+        )
+        if hasattr(dist, n)
+    ]
     real = {n: getattr(dist, n) for n in names}
 
     def counting(name):
         def call(*args, **kwargs):
             calls.append(name)
             return real[name](*args, **kwargs)
+
         return call
 
     group = dist.group.WORLD
@@ -122,7 +148,8 @@ def _w_structures_and_count(rank, world, plan):
         )
         mixed = gather_from_context_parallel_region(
             {k: _shard(v, plan, rank) for k, v in dict(a=a, b=b, c=c, d=d, e=e).items()},
-            plan, group,
+            plan,
+            group,
         )
         n_after = len(calls)
     finally:
@@ -130,12 +157,16 @@ def _w_structures_and_count(rank, world, plan):
             setattr(dist, n, real[n])
     ok = [
         torch.equal(first, _expected(a, plan)),
-        isinstance(tup, tuple) and torch.equal(tup[0], _expected(b, plan))
+        isinstance(tup, tuple)
+        and torch.equal(tup[0], _expected(b, plan))
         and torch.equal(tup[1], _expected(c, plan)),
-        isinstance(lst, list) and torch.equal(lst[0], _expected(d, plan))
+        isinstance(lst, list)
+        and torch.equal(lst[0], _expected(d, plan))
         and torch.equal(lst[1], _expected(e, plan)),
-        all(torch.equal(mixed[k], _expected(v, plan))
-            for k, v in dict(a=a, b=b, c=c, d=d, e=e).items()),
+        all(
+            torch.equal(mixed[k], _expected(v, plan))
+            for k, v in dict(a=a, b=b, c=c, d=d, e=e).items()
+        ),
     ]
     return ok, n_first, n_after
 
@@ -153,7 +184,10 @@ def _w_backward(rank, world, plan, output_grad, seq_dim):
         ints_full = ints_full.unsqueeze(0).repeat(2, 1)
     ints = _shard(ints_full, plan, rank, seq_dim)
     out = gather_from_context_parallel_region(
-        {"x": local, "i": ints}, plan, group, seq_dim=seq_dim,
+        {"x": local, "i": ints},
+        plan,
+        group,
+        seq_dim=seq_dim,
         context_parallel_output_grad=output_grad,
     )
     assert not out["i"].requires_grad
@@ -282,8 +316,12 @@ def random_plans(draw, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_random_plans_property(pools, world):
-    specs = {"h": ((5,), torch.bfloat16, 1), "lp": ((), torch.float32, 2),
-             "tok": ((3,), torch.int64, 3), "m": ((), torch.bool, 4)}
+    specs = {
+        "h": ((5,), torch.bfloat16, 1),
+        "lp": ((), torch.float32, 2),
+        "tok": ((3,), torch.int64, 3),
+        "m": ((), torch.bool, 4),
+    }
 
     @settings(max_examples=25, deadline=None, database=None)
     @given(random_plans(world), st.sampled_from([0, 1]))
@@ -340,7 +378,11 @@ def test_from_local_positions_builds_the_same_plan(pools):
 @pytest.mark.parametrize(
     "case,kind,pattern",
     [
-        ("rows_everywhere", "ValueError", r"field 0 has \d rows along seq_dim 0 but the plan gives"),
+        (
+            "rows_everywhere",
+            "ValueError",
+            r"field 0 has \d rows along seq_dim 0 but the plan gives",
+        ),
         ("group_size", "ValueError", r"the CP group has 3 ranks but the plan has cp_size 4"),
         ("seq_dim", "ValueError", r"seq_dim 2 is out of range for field 0 with 2 dims"),
         ("devices", "ValueError", r"different devices: field 0 on cpu, field 1 on meta"),
@@ -348,7 +390,11 @@ def test_from_local_positions_builds_the_same_plan(pools):
         ("plans_differ", "ValueError", r"ranks of the CP group use different plans"),
         ("fields_differ", "ValueError", r"different dtypes or trailing shapes"),
         ("not_a_tensor", "TypeError", r"field 0 is a list, not a tensor"),
-        ("scatter_rows", "ValueError", r"full has 5 rows along seq_dim 0 but the plan's seq_len is 6"),
+        (
+            "scatter_rows",
+            "ValueError",
+            r"full has 5 rows along seq_dim 0 but the plan's seq_len is 6",
+        ),
         ("empty", "ValueError", r"no tensors"),
     ],
 )
@@ -399,8 +445,9 @@ def _w_parallel_state_grid(rank, world):
         scattered_ok = torch.equal(local, _shard(full, plan, cp_rank))
         loss = out.double().sum()
         summed = reduce_over_data_parallel(loss)
-        expected = sum(_full_tensor(8, (2,), torch.float32, 10 + d).double().sum()
-                       for d in range(2))
+        expected = sum(
+            _full_tensor(8, (2,), torch.float32, 10 + d).double().sum() for d in range(2)
+        )
         dp_ok = torch.allclose(summed, expected)
         maxed = reduce_over_data_parallel(torch.tensor([float(dp_rank)]), dist.ReduceOp.MAX)
     finally:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 
+import _megatron_cpu as mc
 import pytest
 import torch
 import torch.distributed as dist
-
-import _megatron_cpu as mc
 from _dist import run_distributed
+
 from megatron.context_parallel.mappings import reduce_over_data_parallel
 from megatron.context_parallel.model import context_parallel_forward, default_plan
 from megatron.context_parallel.plan import ContextParallelPlan
@@ -101,9 +101,7 @@ def _reference(ids, labels, cu, seed, model_kw):
     for a, b in zip(cuts[:-1], cuts[1:]):
         n = b - a
         causal = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
-        h, lg = model(
-            ids[None, a:b], torch.arange(n)[None], causal, output_processor=_capture
-        )
+        h, lg = model(ids[None, a:b], torch.arange(n)[None], causal, output_processor=_capture)
         hidden.append(h)
         logits.append(lg)
     hidden, logits = torch.cat(hidden), torch.cat(logits)

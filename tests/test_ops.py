@@ -35,9 +35,7 @@ def _ref_scatter(packed, row_source, offsets, widths):
     data = packed.tolist()
     outs = []
     for off, width in zip(offsets, widths):
-        rows = [
-            [0] * width if s < 0 else data[s][off : off + width] for s in row_source.tolist()
-        ]
+        rows = [[0] * width if s < 0 else data[s][off : off + width] for s in row_source.tolist()]
         outs.append(torch.tensor(rows, dtype=torch.uint8).reshape(len(rows), width))
     return outs
 

@@ -260,7 +260,10 @@ def test_cuda_without_extension_falls_back_with_one_warning():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", _FALLBACK_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert proc.returncode == 0 and "FALLBACK-OK" in proc.stdout, proc.stderr[-4000:]
@@ -307,7 +310,10 @@ def _gloo_worker(rank, world, port, queue):
 
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=120),
         )
         torch.cuda.set_device(0)

@@ -53,8 +53,9 @@ def test_thd_splits_each_sequence_like_te():
 
 
 def test_from_rank_positions_uneven_empty_uncovered():
-    plan = ContextParallelPlan.from_rank_positions([[4, 0], torch.tensor([], dtype=torch.int64),
-                                                    torch.tensor([2], dtype=torch.int16)])
+    plan = ContextParallelPlan.from_rank_positions(
+        [[4, 0], torch.tensor([], dtype=torch.int64), torch.tensor([2], dtype=torch.int16)]
+    )
     assert plan.seq_len == 5 and plan.counts == (2, 0, 1) and plan.max_count == 2
     assert plan.local_positions(1).dtype == torch.int64
     assert plan.slot_positions().tolist() == [4, 0, -1, -1, 2, -1]

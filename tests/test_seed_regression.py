@@ -9,10 +9,10 @@ order, and the probe must give exactly what it gives at CP 1.
 
 from __future__ import annotations
 
-import torch
-
 import _megatron_cpu as mc
+import torch
 from _dist import run_distributed
+
 from megatron.context_parallel.model import context_parallel_forward
 from megatron.context_parallel.plan import ContextParallelPlan
 
@@ -25,7 +25,7 @@ def _batch():
     g = torch.Generator().manual_seed(51)
     ids = torch.randint(0, mc.TINY["vocab_size"], (SEQ_LEN,), generator=g)
     labels = torch.randint(0, mc.TINY["vocab_size"], (SEQ_LEN,), generator=g)
-    labels[: 20] = -100  # a prompt without targets
+    labels[:20] = -100  # a prompt without targets
     return ids, labels
 
 

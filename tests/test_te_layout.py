@@ -12,12 +12,12 @@ where TransformerEngine or CUDA is absent).
 
 from __future__ import annotations
 
+import _megatron_cpu as mc
 import pytest
 import torch
 import torch.distributed as dist
-
-import _megatron_cpu as mc
 from _dist import run_distributed
+
 from megatron.context_parallel import model as cp_model
 from megatron.context_parallel.plan import ContextParallelPlan
 

@@ -32,9 +32,6 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
-from megatron.context_parallel.plan import ContextParallelPlan
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -44,6 +41,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
+from torch import Tensor
+
+from megatron.context_parallel.plan import ContextParallelPlan
 
 __all__ = [
     "ContextParallelParams",

@@ -116,8 +116,10 @@ def _local_problem(
 def _structure_signature(tensors: Sequence[torch.Tensor], seq_dim: int) -> int:
     """A hash of dtypes and trailing shapes: ranks must agree on it to exchange equal sizes."""
     text = repr(
-        [(str(t.dtype), tuple(s for d, s in enumerate(t.shape) if d != seq_dim % t.dim()))
-         for t in tensors]
+        [
+            (str(t.dtype), tuple(s for d, s in enumerate(t.shape) if d != seq_dim % t.dim()))
+            for t in tensors
+        ]
     )
     value = 0
     for ch in text.encode():
@@ -252,8 +254,11 @@ def _gather_rows_to_source_order(
         all_gather_single(recv, send, group=group)
     unpacked = ops.scatter_rows(recv, row_source, offsets, widths)
     return [
-        u.view(f.dtype).view((plan.seq_len,) + tuple(f.shape[1:])) if u.shape[1] else
-        torch.zeros((plan.seq_len,) + tuple(f.shape[1:]), dtype=f.dtype, device=device)
+        (
+            u.view(f.dtype).view((plan.seq_len,) + tuple(f.shape[1:]))
+            if u.shape[1]
+            else torch.zeros((plan.seq_len,) + tuple(f.shape[1:]), dtype=f.dtype, device=device)
+        )
         for u, f in zip(unpacked, fields)
     ]
 
@@ -311,14 +316,17 @@ class _GatherFromContextParallelRegion(torch.autograd.Function):
         ctx.seq_dim, ctx.output_grad = seq_dim, output_grad
         ctx.floating = [t.is_floating_point() or t.is_complex() for t in tensors]
         fields = [_seq_first(t, seq_dim) for t in tensors]
-        outs = [_seq_back(o, seq_dim) for o in _gather_rows_to_source_order(fields, plan, group, size)]
+        outs = [
+            _seq_back(o, seq_dim) for o in _gather_rows_to_source_order(fields, plan, group, size)
+        ]
         ctx.mark_non_differentiable(*[o for o, fl in zip(outs, ctx.floating) if not fl])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         wanted = [
-            i for i, (g, fl) in enumerate(zip(grads, ctx.floating))
+            i
+            for i, (g, fl) in enumerate(zip(grads, ctx.floating))
             if fl and g is not None and ctx.needs_input_grad[6 + i]
         ]
         result: List[Optional[torch.Tensor]] = [None] * len(grads)
@@ -396,17 +404,24 @@ def gather_from_context_parallel_region(
     rank, size = group_rank_and_size(group)
     _check_group_size(plan, size)
     problem = _local_problem(tensors, plan, rank, seq_dim, plan.counts[rank])
-    if problem is not None and problem[0] == _BAD_INPUT and not all(
-        isinstance(t, torch.Tensor) for t in tensors
+    if (
+        problem is not None
+        and problem[0] == _BAD_INPUT
+        and not all(isinstance(t, torch.Tensor) for t in tensors)
     ):
         raise TypeError(problem[1])
-    device = tensors[0].device if problem is None or problem[0] == _BAD_ROWS else torch.device(
-        "cpu"
+    device = (
+        tensors[0].device if problem is None or problem[0] == _BAD_ROWS else torch.device("cpu")
     )
     signature = _structure_signature(tensors, seq_dim) if problem is None else 0
     _ensure_agreement(plan, group, rank, size, device, problem, signature)
     outs = _GatherFromContextParallelRegion.apply(
-        plan, group, rank, size, seq_dim % tensors[0].dim(), bool(context_parallel_output_grad),
+        plan,
+        group,
+        rank,
+        size,
+        seq_dim % tensors[0].dim(),
+        bool(context_parallel_output_grad),
         *tensors,
     )
     return _unflatten(list(outs), spec)
@@ -448,7 +463,9 @@ def scatter_to_context_parallel_region(
     device = full.device if problem is None else torch.device("cpu")
     signature = _structure_signature([full], seq_dim) if problem is None else 0
     _ensure_agreement(plan, group, rank, size, device, problem, signature)
-    return _ScatterToContextParallelRegion.apply(plan, group, rank, size, seq_dim % full.dim(), full)
+    return _ScatterToContextParallelRegion.apply(
+        plan, group, rank, size, seq_dim % full.dim(), full
+    )
 
 
 def reduce_over_data_parallel(

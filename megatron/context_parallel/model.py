@@ -183,9 +183,13 @@ def _check_te_layout(plan: ContextParallelPlan, cu: Optional[Tuple[int, ...]]) -
         except ValueError:
             expected = None
         name = "ContextParallelPlan.thd"
-    if expected is None or expected.counts != plan.counts or not all(
-        torch.equal(expected.local_positions(r), plan.local_positions(r))
-        for r in range(plan.cp_size)
+    if (
+        expected is None
+        or expected.counts != plan.counts
+        or not all(
+            torch.equal(expected.local_positions(r), plan.local_positions(r))
+            for r in range(plan.cp_size)
+        )
     ):
         raise ValueError(
             f"TEDotProductAttention under CP needs the {name} layout; got {plan}. Use "
@@ -285,9 +289,7 @@ def context_parallel_forward(
         cu = plan.cu_seqlens
     if plan.max_count == 0:
         raise ValueError(f"the plan owns no position of the {seq_len}-token batch")
-    if config.sequence_parallel and tp_size > 1 and any(
-        c == 0 or c % tp_size for c in plan.counts
-    ):
+    if config.sequence_parallel and tp_size > 1 and any(c == 0 or c % tp_size for c in plan.counts):
         raise ValueError(
             f"sequence parallelism needs every CP shard non-empty and divisible by TP "
             f"{tp_size}; plan counts {plan.counts}"

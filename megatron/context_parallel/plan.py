@@ -17,7 +17,7 @@ Index conventions used by the row ops (all int64):
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -40,9 +40,7 @@ def _as_positions(value: PositionsLike, what: str) -> torch.Tensor:
     for item in items:
         # bool is an int subclass in Python, but a mask is never a position list.
         if isinstance(item, bool) or not isinstance(item, int):
-            raise ValueError(
-                f"{what} must hold integers, got {type(item).__name__} ({item!r})"
-            )
+            raise ValueError(f"{what} must hold integers, got {type(item).__name__} ({item!r})")
     return torch.tensor(items, dtype=torch.int64)
 
 
@@ -367,9 +365,7 @@ class ContextParallelPlan:
         if dup.numel() > 0:
             pos = int(sorted_pos[int(dup[0])])
             ranks = sorted(set(owners[order][sorted_pos == pos].tolist()))
-            where = (
-                f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]} (twice in its rows)"
-            )
+            where = f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]} (twice in its rows)"
             raise ValueError(
                 f"position {pos} is owned twice, by {where}; "
                 f"{dup.numel()} duplicate position(s) in all"
