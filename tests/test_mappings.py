@@ -288,6 +288,7 @@ def test_every_constructor_every_dtype(pools, world):
     plans = [
         ContextParallelPlan.zigzag(8 * world, world),
         ContextParallelPlan.contiguous(4 * world + 1, world),
+        ContextParallelPlan.contiguous(4 * world, world),
         ContextParallelPlan.thd([0, 2 * world, 2 * world, 8 * world], world),
         ContextParallelPlan.from_rank_positions(
             [[9, 1, 4]] + [[]] * (world - 2) + [[0, 7]], seq_len=12
@@ -302,6 +303,18 @@ def test_every_constructor_every_dtype(pools, world):
             for result in pools(world).run(_w_gather_fields, plan, specs, seq_dim, nc):
                 bad = {k: v for k, v in result.items() if not (v[0] and v[1])}
                 assert not bad, (plan, seq_dim, nc, bad)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_single_field_on_source_ordered_slots(pools, world):
+    """Equal contiguous shards need no reorder: the all-gather output is returned as is."""
+    plan = ContextParallelPlan.contiguous(4 * world, world)
+    assert plan.slots_in_source_order
+    for dtype, trailing in [(torch.bfloat16, (5,)), (torch.float32, ()), (torch.bool, (3,))]:
+        specs = {"only": (trailing, dtype, 7)}
+        for seq_dim in (0, 1):
+            for result in pools(world).run(_w_gather_fields, plan, specs, seq_dim, False):
+                assert all(v[0] and v[1] for v in result.values()), (dtype, seq_dim, result)
 
 
 @st.composite

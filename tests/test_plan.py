@@ -66,6 +66,15 @@ def test_from_rank_positions_uneven_empty_uncovered():
     assert ContextParallelPlan.from_rank_positions([[], []]).seq_len == 0
 
 
+def test_slots_in_source_order_only_for_equal_contiguous_shards():
+    assert ContextParallelPlan.contiguous(12, 3).slots_in_source_order
+    assert ContextParallelPlan.contiguous(12, 1).slots_in_source_order
+    assert not ContextParallelPlan.contiguous(13, 3).slots_in_source_order  # padding
+    assert not ContextParallelPlan.zigzag(12, 3).slots_in_source_order
+    assert not ContextParallelPlan.from_rank_positions([[1, 0], [2, 3]]).slots_in_source_order
+    assert not ContextParallelPlan.from_rank_positions([[0, 1], [2, 3]], 5).slots_in_source_order
+
+
 def test_from_rank_positions_keeps_cu_seqlens():
     plan = ContextParallelPlan.from_rank_positions([[0, 4], [1, 2, 3]], cu_seqlens=[0, 2, 5])
     assert plan.seq_len == 5 and plan.cu_seqlens == (0, 2, 5)

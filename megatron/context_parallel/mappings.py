@@ -252,6 +252,9 @@ def _gather_rows_to_source_order(
     recv = torch.empty(size * rows, total, dtype=torch.uint8, device=device)
     if recv.numel() > 0:
         all_gather_single(recv, send, group=group)
+    if plan.slots_in_source_order and len(fields) == 1 and total == widths[0]:
+        # The all-gather already wrote every row at its source position: no reorder pass.
+        return [recv.view(fields[0].dtype).view((plan.seq_len,) + tuple(fields[0].shape[1:]))]
     unpacked = ops.scatter_rows(recv, row_source, offsets, widths)
     return [
         (

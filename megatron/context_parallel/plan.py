@@ -69,6 +69,9 @@ class ContextParallelPlan:
         cu_seqlens: cumulative sequence lengths of packed input (``(0, l0, l0+l1, ...)``), or
             None for one unpacked sequence.
         fingerprint: a 63-bit hash of the plan, used to check that every rank uses the same one.
+        slots_in_source_order: True when all-gather slot ``s`` holds position ``s`` for every
+            ``s < seq_len`` and there is no padding (a contiguous plan with equal shards): the
+            all-gather buffer is then already the full output and needs no reorder.
     """
 
     __slots__ = (
@@ -81,6 +84,7 @@ class ContextParallelPlan:
         "fingerprint",
         "_device_cache",
         "_verified_groups",
+        "slots_in_source_order",
     )
 
     def __init__(
@@ -108,6 +112,7 @@ class ContextParallelPlan:
         object.__setattr__(self, "fingerprint", self._compute_fingerprint())
         object.__setattr__(self, "_device_cache", {})
         object.__setattr__(self, "_verified_groups", {})
+        object.__setattr__(self, "slots_in_source_order", self._slots_are_positions())
 
     def __setattr__(self, name, value):
         raise AttributeError(f"ContextParallelPlan is immutable (cannot set {name!r})")
@@ -390,6 +395,11 @@ class ContextParallelPlan:
             tensor = build().to(device)
             self._device_cache[cache_key] = tensor
         return tensor
+
+    def _slots_are_positions(self) -> bool:
+        if self.cp_size * self.max_count != self.seq_len:
+            return False
+        return bool(torch.equal(self._build_slot_positions(), torch.arange(self.seq_len)))
 
     def _build_slot_positions(self) -> torch.Tensor:
         slots = torch.full((self.cp_size, self.max_count), -1, dtype=torch.int64)
