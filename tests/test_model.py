@@ -158,6 +158,17 @@ def _compare(out, ref, grads) -> dict:
     return errors
 
 
+def _output_loss(out, seq_len, seed):
+    """The test loss on every differentiable field of a ForwardOutput."""
+    fields = {
+        "hidden_states": out.hidden_states,
+        "target_logprobs": out.target_logprobs,
+        "logits": out.logits,
+        "top_k": out.top_k.logprobs,
+    }
+    return _loss(fields, _loss_weights(seq_len, seed))
+
+
 def _forward_and_loss(kind, cp, seed, model_kw):
     """The tiny model's CP forward of case ``kind`` and the test loss on every field."""
     ids, labels, cu, plan, expected = _case(kind, cp, seed)
@@ -165,13 +176,7 @@ def _forward_and_loss(kind, cp, seed, model_kw):
     out = context_parallel_forward(
         model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
     )
-    fields = {
-        "hidden_states": out.hidden_states,
-        "target_logprobs": out.target_logprobs,
-        "logits": out.logits,
-        "top_k": out.top_k.logprobs,
-    }
-    return ids, plan, expected, model, out, _loss(fields, _loss_weights(ids.numel(), seed))
+    return ids, plan, expected, model, out, _output_loss(out, ids.numel(), seed)
 
 
 def _run_cp_case(kind, tp, cp, seed, model_kw, references, check_default=True):
@@ -300,13 +305,7 @@ def _cp1(rank, world_size):
             out = context_parallel_forward(
                 model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
             )
-            fields = {
-                "hidden_states": out.hidden_states,
-                "target_logprobs": out.target_logprobs,
-                "logits": out.logits,
-                "top_k": out.top_k.logprobs,
-            }
-            _loss(fields, _loss_weights(ids.numel(), seed)).backward()
+            _output_loss(out, ids.numel(), seed).backward()
             grads = {n: p.grad for n, p in model.named_parameters()}
             results[f"cp1-{kind}-megatron_attention={reference_spec}"] = _compare(out, ref, grads)
     return results
