@@ -32,7 +32,7 @@ from megatron.context_parallel.attention import ContextParallelAttention, Contex
 from megatron.context_parallel.groups import group_rank_and_size, resolve_context_parallel_group
 from megatron.context_parallel.head import ForwardOutput, compute_forward_output
 from megatron.context_parallel.mappings import scatter_to_context_parallel_region
-from megatron.context_parallel.plan import ContextParallelPlan
+from megatron.context_parallel.plan import ContextParallelPlan, as_cu_seqlens
 
 __all__ = ["context_parallel_forward", "default_plan"]
 
@@ -79,20 +79,7 @@ def default_plan(
 
 
 def _host_cu_seqlens(cu_seqlens) -> Optional[Tuple[int, ...]]:
-    if cu_seqlens is None:
-        return None
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dtype not in _INT_DTYPES or cu_seqlens.dim() != 1:
-            raise ValueError(
-                f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
-                f"{tuple(cu_seqlens.shape)}"
-            )
-        # Metadata, read once per batch; pass a list or a CPU tensor to avoid a device sync.
-        cu_seqlens = cu_seqlens.tolist()
-    cu = tuple(int(x) for x in cu_seqlens)
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {list(cu)}")
-    return cu
+    return None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
 
 
 def _as_sequence(t: torch.Tensor, what: str, seq_len: Optional[int] = None) -> torch.Tensor:

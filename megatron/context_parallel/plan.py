@@ -44,7 +44,11 @@ def _as_positions(value: PositionsLike, what: str) -> torch.Tensor:
     return torch.tensor(items, dtype=torch.int64)
 
 
-def _as_cu_seqlens(cu_seqlens: PositionsLike) -> Tuple[int, ...]:
+def as_cu_seqlens(cu_seqlens: PositionsLike) -> Tuple[int, ...]:
+    """Validated host tuple of cumulative sequence lengths (starts at 0, never decreases).
+
+    A device tensor is read back once here: pass a list or a CPU tensor to avoid the sync.
+    """
     t = _as_positions(cu_seqlens, "cu_seqlens")
     if t.numel() < 1 or int(t[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {t.tolist()[:4]}")
@@ -143,7 +147,7 @@ class ContextParallelPlan:
         if len(rank_positions) == 0:
             raise ValueError("rank_positions must list at least one rank")
         tensors = [_as_positions(p, f"rank_positions[{r}]") for r, p in enumerate(rank_positions)]
-        cu = None if cu_seqlens is None else _as_cu_seqlens(cu_seqlens)
+        cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
         if seq_len is None and cu is not None:
             seq_len = cu[-1]
         if seq_len is None:
@@ -195,7 +199,7 @@ class ContextParallelPlan:
                 ``cu_seqlens`` does not start at 0 or decreases.
         """
         cls._check_cp_size(cp_size)
-        cu = _as_cu_seqlens(cu_seqlens)
+        cu = as_cu_seqlens(cu_seqlens)
         lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
         for i, length in enumerate(lengths):
             if length % (2 * cp_size) != 0:
