@@ -1,26 +1,38 @@
-"""A reference context-parallel core attention for megatron-core's local layer spec.
+"""Attention for megatron-core's local layer spec under any CP plan, through ``GPTModel.forward``.
 
-``ContextParallelAttention`` takes the place of megatron-core's ``DotProductAttention`` (which
-refuses ``context_parallel_size > 1``) as the ``core_attention`` of a GPT layer. It runs in
-plain torch on any device and accepts any ``ContextParallelPlan``, uneven and empty shards
-included:
+Two modules replace their megatron-core counterparts in a GPT layer spec
+(``get_gpt_layer_with_context_parallel_spec``):
 
-1. the local keys and values are padded to ``plan.max_count`` rows and all-gathered over the CP
-   group in one collective (backward: one reduce-scatter that sums dK, dV from every rank's
-   queries and keeps this rank's rows);
-2. the local queries attend to every gathered key, masked by *source* positions: causal by
-   position, and only within the same packed sequence when the plan (or the batch) carries
-   ``cu_seqlens``; padding slots are never attended.
+* ``ContextParallelSelfAttention`` (for ``SelfAttention``) applies rotary embeddings at each
+  local row's *source* position, taken from the batch's ``ContextParallelParams``, instead of
+  the table ``GPTModel`` slices in Megatron's zigzag order (right for that layout only).
+* ``ContextParallelAttention`` (for ``DotProductAttention``, which refuses
+  ``context_parallel_size > 1``) runs in plain torch on any device and accepts any
+  ``ContextParallelPlan``, uneven and empty shards included:
 
-It is the backend that makes CP testable without TransformerEngine; it does not try to compete
-with ring attention (memory is ``O(local rows x all rows)`` per head).
+  1. the local keys and values are padded to ``plan.max_count`` rows and all-gathered over the
+     CP group in one collective (backward: one reduce-scatter that sums dK, dV from every
+     rank's queries and keeps this rank's rows);
+  2. the local queries attend to every gathered key, masked by *source* positions: causal by
+     position, and only within the same packed sequence when the plan (or the batch) carries
+     ``cu_seqlens``; padding slots are never attended.
 
-How the module learns the batch: ``ContextParallelParams``, a ``PackedSeqParams`` subclass with
-``qkv_format="sbhd"``, travels through ``GPTModel``'s decoder as ``packed_seq_params`` (megatron
+  It is the backend that makes CP testable without TransformerEngine; it does not try to
+  compete with ring attention (memory is ``O(local rows x all rows)`` per head).
+
+How the modules learn the batch: ``ContextParallelParams``, a ``PackedSeqParams`` subclass with
+``qkv_format="sbhd"``, travels through ``GPTModel.forward`` as ``packed_seq_params`` (megatron
 only reshapes for ``"thd"``, so the local rows stay ``[s, b, ...]``). It carries the plan, the CP
-group and the source positions / sequence indices of the query rows and of the gather slots, all
-built once per batch on the host (``ContextParallelParams.for_plan``), so the per-layer path has
-no host sync. ``megatron.context_parallel.model.context_parallel_forward`` builds it for you.
+group, the rotary rows of the local rows and the source positions / sequence indices of the
+query rows and of the gather slots, all built once per batch (``ContextParallelParams.for_plan``;
+``megatron.context_parallel.model.context_parallel_batch`` builds it for you), so the per-layer
+path has no host sync.
+
+Where a combination cannot be right it raises ``ValueError`` naming the plan and the module
+rather than computing on wrong positions: ``ContextParallelAttention`` under megatron-core's own
+``SelfAttention`` (which applies ``GPTModel``'s zigzag-sliced rotary table) accepts only plans
+for which that table is exact, and ``ContextParallelSelfAttention`` refuses
+``ContextParallelParams`` with any core attention other than ``ContextParallelAttention``.
 """
 
 from __future__ import annotations
@@ -28,13 +40,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -44,11 +57,19 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from megatron.context_parallel.plan import ContextParallelPlan
+from megatron.context_parallel.rotary import (
+    check_rotary_module,
+    megatron_rotary_is_exact,
+    rotary_at_positions,
+    rotary_table_length,
+)
 
 __all__ = [
     "ContextParallelParams",
+    "ContextParallelSelfAttention",
     "ContextParallelAttention",
     "get_gpt_layer_with_context_parallel_spec",
+    "default_position_ids",
 ]
 
 
@@ -63,12 +84,32 @@ def _sequence_index(seq_len: int, cu_seqlens: Optional[Sequence[int]]) -> Tensor
     return torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int64), lengths)
 
 
+def default_position_ids(seq_len: int, cu_seqlens: Optional[Sequence[int]] = None) -> Tensor:
+    """int64 ``[seq_len]`` (CPU): ``0 .. len-1`` within each packed sequence (the whole batch
+    when ``cu_seqlens`` is None), the positions a single device would use."""
+    if cu_seqlens is None:
+        return torch.arange(seq_len, dtype=torch.int64)
+    starts = torch.as_tensor(list(cu_seqlens[:-1]), dtype=torch.int64)
+    sequence = _sequence_index(seq_len, cu_seqlens)
+    return torch.arange(seq_len, dtype=torch.int64) - starts[sequence]
+
+
+def _owned_position_ids(plan: ContextParallelPlan, position_ids: Tensor, rank: int) -> Tensor:
+    """Position ids of rank ``rank``'s rows, with the one padding row of an empty rank (id 0)."""
+    if plan.counts[rank] == 0:
+        return position_ids.new_zeros(1)
+    return position_ids.index_select(0, plan.local_positions(rank, position_ids.device))
+
+
 @dataclass
 class ContextParallelParams(PackedSeqParams):
-    """Per-batch CP information for ``ContextParallelAttention``, passed as ``packed_seq_params``.
+    """Per-batch CP information for the package's attention modules, as ``packed_seq_params``.
 
     Build it with ``for_plan``. ``qkv_format`` stays ``"sbhd"`` so megatron-core keeps the
-    local rows in ``[s, b, ...]`` layout; the packing is described by ``cu_seqlens`` and the plan.
+    local rows in ``[s, b, ...]`` layout; the packing is described by the plan's (or the given)
+    ``cu_seqlens``. ``max_seqlen_q`` / ``max_seqlen_kv`` are the longest packed sequence rounded
+    up to a multiple of ``2 * cp_size``: ``GPTModel`` sizes (and zigzag-slices) its own rotary
+    table from them, a table ``ContextParallelSelfAttention`` then replaces.
 
     Attributes:
         plan: the batch's ``ContextParallelPlan`` (same on every CP rank).
@@ -79,11 +120,16 @@ class ContextParallelParams(PackedSeqParams):
         query_sequence: int64 ``[counts[rank]]``, packed-sequence index of each local row.
         key_sequence: int64 ``[cp_size * max_count]``, packed-sequence index of each slot (-1 for
             padding).
-        sequence_cu_seqlens: the host-side ``cu_seqlens`` the mask was built from (or None).
+        position_ids: int64 ``[rows]``, the position id of each local row (the padding row of an
+            empty rank: 0); ``rows = counts[rank] + padding_rows``.
+        rotary_pos_emb: fp32 ``[rows, 1, 1, dim]``, the model's rotary rows at ``position_ids``,
+            or None when built without ``rotary`` (models without rotary embeddings).
+        source_position_ids: int64 ``[seq_len]`` CPU, the position ids of the whole batch in
+            source order (to tell whether megatron-core's own rotary table is exact).
         padding_rows: 1 when this rank owns no position, else 0. megatron-core's layers cannot
             run zero rows, so an empty rank runs one padding row that attends to nothing and
-            that no query sees (its slot is padding); ``context_parallel_forward`` adds it to
-            the input and drops it from the output.
+            that no query sees (its slot is padding); the batch adds it to the input and the
+            output processor drops it.
     """
 
     qkv_format: str = "sbhd"
@@ -93,9 +139,12 @@ class ContextParallelParams(PackedSeqParams):
     key_positions: Optional[Tensor] = None
     query_sequence: Optional[Tensor] = None
     key_sequence: Optional[Tensor] = None
-    sequence_cu_seqlens: Optional[Tuple[int, ...]] = None
+    position_ids: Optional[Tensor] = None
+    rotary_pos_emb: Optional[Tensor] = None
+    source_position_ids: Optional[Tensor] = None
     padding_rows: int = 0
     _masks: Dict[bool, Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _exact: Optional[bool] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def for_plan(
@@ -105,8 +154,10 @@ class ContextParallelParams(PackedSeqParams):
         *,
         device: Union[str, torch.device] = "cpu",
         cu_seqlens: Optional[Sequence[int]] = None,
+        position_ids: Optional[Tensor] = None,
+        rotary=None,
     ) -> "ContextParallelParams":
-        """The params for one batch sharded by ``plan`` (host-side work only, no collective).
+        """The params for one batch sharded by ``plan`` (no collective).
 
         Args:
             plan: the CP plan of the batch.
@@ -114,10 +165,16 @@ class ContextParallelParams(PackedSeqParams):
             device: where the index tensors go (the activations' device).
             cu_seqlens: cumulative lengths of packed sequences; defaults to ``plan.cu_seqlens``.
                 Attention never crosses a sequence boundary.
+            position_ids: int ``[seq_len]`` position ids of the whole batch in source order;
+                default ``default_position_ids(seq_len, cu_seqlens)``. A CPU tensor avoids one
+                device-to-host copy when megatron-core's rotary table has to be checked.
+            rotary: the model's ``RotaryEmbedding`` (``GPTModel.rotary_pos_emb``) to evaluate at
+                the local rows' position ids; None for models without rotary embeddings.
 
         Raises:
-            ValueError: the group size differs from ``plan.cp_size``, or ``cu_seqlens`` does not
-                match the plan's (or does not end at ``plan.seq_len``).
+            ValueError: the group size differs from ``plan.cp_size``; ``cu_seqlens`` does not
+                match the plan's (or does not end at ``plan.seq_len``); ``position_ids`` is not
+                ``[seq_len]`` integers; ``rotary`` is not a plain ``RotaryEmbedding``.
         """
         if not isinstance(plan, ContextParallelPlan):
             raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
@@ -140,21 +197,60 @@ class ContextParallelParams(PackedSeqParams):
                     f"cu_seqlens {list(cu)} differ from the plan's {list(plan.cu_seqlens)}"
                 )
         sequence = _sequence_index(plan.seq_len, cu)
+        device = torch.device(device)
+        if position_ids is None:
+            position_ids = default_position_ids(plan.seq_len, cu)
+        elif (
+            not isinstance(position_ids, Tensor)
+            or position_ids.dim() != 1
+            or position_ids.shape[0] != plan.seq_len
+            or position_ids.is_floating_point()
+            or position_ids.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"position_ids must be [seq_len] = [{plan.seq_len}] integers in source order, "
+                f"got {getattr(position_ids, 'shape', type(position_ids).__name__)}"
+            )
+        local_ids = _owned_position_ids(plan, position_ids.to(device, torch.int64), rank)
+        rows = None
+        if rotary is not None:
+            check_rotary_module(rotary)
+            rows = rotary_at_positions(rotary, local_ids)
         queries = plan.local_positions(rank)
         slots = plan.slot_positions("cpu")
         key_sequence = torch.where(slots >= 0, sequence[slots.clamp(min=0)], -1)
-        device = torch.device(device)
+        lengths = plan.sequence_lengths if cu is None else [b - a for a, b in zip(cu, cu[1:])]
+        table = rotary_table_length(lengths, plan.cp_size)
         return cls(
             plan=plan,
             rank=rank,
             cp_group=cp_group,
+            max_seqlen_q=table,
+            max_seqlen_kv=table,
             query_positions=queries.to(device),
             key_positions=slots.to(device),
             query_sequence=sequence[queries].to(device),
             key_sequence=key_sequence.to(device),
-            sequence_cu_seqlens=cu,
+            position_ids=local_ids,
+            rotary_pos_emb=rows,
+            source_position_ids=position_ids,
             padding_rows=1 if plan.counts[rank] == 0 else 0,
         )
+
+    @property
+    def megatron_rotary_exact(self) -> bool:
+        """Whether ``GPTModel``'s own rotary rows are right for every rank's rows of this batch.
+
+        ``GPTModel`` hands each rank the zigzag chunks of a table ``0 .. max_seqlen_q - 1``
+        (all of it on one rank); that is each row's rotary embedding only when every rank's
+        position ids are exactly those rows: Megatron's zigzag layout of one sequence whose
+        position ids are ``0 .. S-1``. Computed once, on the host.
+        """
+        if self._exact is None:
+            self._exact = megatron_rotary_is_exact(
+                self.plan, self.source_position_ids, self.max_seqlen_q
+            )
+        return self._exact
 
     def allowed(self, causal: bool) -> Tensor:
         """bool ``[rows, cp_size * max_count]``: which slots each local query row may see.
@@ -223,7 +319,16 @@ class ContextParallelAttention(MegatronModule):
     Supports causal and unmasked (``no_mask`` / ``padding`` without a mask) self-attention,
     GQA, dropout, fp32 / bf16 / fp16 (softmax in fp32). Sliding windows, softmax offsets and
     attention bias raise.
+
+    Rotary embeddings are applied before this module, by its self-attention. Under
+    ``ContextParallelSelfAttention`` they are right for any plan (that module sets
+    ``rotary_at_source_positions``); under megatron-core's own ``SelfAttention`` they come from
+    ``GPTModel``'s zigzag-sliced table, so only plans for which that table is exact
+    (``ContextParallelParams.megatron_rotary_exact``) run, and any other plan raises.
     """
+
+    # Set by ContextParallelSelfAttention, which applies rotary rows at source positions.
+    rotary_at_source_positions: bool = False
 
     def __init__(
         self,
@@ -311,7 +416,7 @@ class ContextParallelAttention(MegatronModule):
                 raise ValueError(
                     f"ContextParallelAttention on a CP group of {size} ranks needs "
                     "packed_seq_params=ContextParallelParams.for_plan(...) (see "
-                    "megatron.context_parallel.model.context_parallel_forward)"
+                    "megatron.context_parallel.model.context_parallel_batch)"
                 )
             keys, values = key, value
             allowed = self._single_rank_mask(query, attention_mask, causal)
@@ -333,6 +438,14 @@ class ContextParallelAttention(MegatronModule):
                 )
             if plan.max_count < rows:
                 raise ValueError(f"a plan with no owned position cannot run (counts {plan.counts})")
+            if not self.rotary_at_source_positions and not params.megatron_rotary_exact:
+                raise ValueError(
+                    f"ContextParallelAttention (layer {self.layer_number}) runs under a "
+                    "self-attention that applies GPTModel's own rotary table, which megatron-core "
+                    f"slices in zigzag order: wrong for the rows of {plan}. Build the layers with "
+                    "get_gpt_layer_with_context_parallel_spec() (ContextParallelSelfAttention "
+                    "applies rotary at source positions)"
+                )
             # One collective for K and V: they share rows, heads and dtype.
             kv = torch.cat([key, value], dim=-1)
             kv = _AllGatherSlots.apply(kv, group, size, plan.max_count)
@@ -384,8 +497,90 @@ class ContextParallelAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
+class ContextParallelSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention`` with rotary embeddings at each row's source position.
+
+    Same constructor and forward as ``SelfAttention``. When ``packed_seq_params`` is a
+    ``ContextParallelParams`` and ``GPTModel`` passes a rotary table (rotary models), that table
+    (megatron's zigzag slice) is replaced by the params' ``rotary_pos_emb``: the model's own
+    rotary rows evaluated at every local row's position id, right for any plan. Layers that
+    megatron-core runs without rotary (``no_rope_freq``) still get none. Any other
+    ``packed_seq_params`` (None, TransformerEngine's THD params) passes through unchanged, so
+    the module behaves exactly like ``SelfAttention`` outside CP.
+
+    Raises (in forward, on every rank alike: the checks read only the batch's params):
+        ValueError: ``ContextParallelParams`` with a core attention other than
+            ``ContextParallelAttention`` (TransformerEngine would compute on its own fixed
+            layout); or params without rotary rows for a plan where megatron-core's table is
+            wrong (build them with ``rotary=model.rotary_pos_emb``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.core_attention, ContextParallelAttention):
+            self.core_attention.rotary_at_source_positions = True
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor],
+        key_value_states: Optional[Tensor] = None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos: Optional[Tensor] = None,
+        rotary_pos_sin: Optional[Tensor] = None,
+        rotary_pos_cos_sin: Optional[Tensor] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        sequence_len_offset: Optional[int] = None,
+        *,
+        inference_params=None,
+    ):
+        """``SelfAttention.forward`` with the rotary rows of ``ContextParallelParams``."""
+        if isinstance(packed_seq_params, ContextParallelParams):
+            rotary_pos_emb = self._rotary_at_source_positions(rotary_pos_emb, packed_seq_params)
+        return super().forward(
+            hidden_states,
+            attention_mask,
+            key_value_states=key_value_states,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+            inference_params=inference_params,
+        )
+
+    def _rotary_at_source_positions(self, table, params: ContextParallelParams):
+        if not isinstance(self.core_attention, ContextParallelAttention):
+            raise ValueError(
+                f"ContextParallelParams (plan {params.plan}) need ContextParallelAttention as "
+                f"core attention; layer {self.layer_number} has "
+                f"{type(self.core_attention).__name__}, which would compute on its own fixed "
+                "row layout (pass its own packed_seq_params instead)"
+            )
+        if table is None:
+            return None  # no rotary embeddings in this model
+        if params.rotary_pos_emb is not None:
+            return params.rotary_pos_emb
+        if params.megatron_rotary_exact:
+            return table
+        raise ValueError(
+            f"ContextParallelParams for {params.plan} carry no rotary rows, and GPTModel's own "
+            "rotary table (sliced in zigzag order) is wrong for these rows; build the params "
+            "with ContextParallelParams.for_plan(..., rotary=model.rotary_pos_emb) or "
+            "megatron.context_parallel.model.context_parallel_batch"
+        )
+
+
 def get_gpt_layer_with_context_parallel_spec(**kwargs) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with ``ContextParallelAttention`` as core attention.
+    """megatron-core's local GPT layer spec with the package's attention modules.
+
+    ``ContextParallelSelfAttention`` replaces ``SelfAttention`` (rotary at source positions)
+    and ``ContextParallelAttention`` replaces the core attention (any plan, plain torch).
 
     Args:
         **kwargs: passed to ``megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec``
@@ -393,10 +588,9 @@ def get_gpt_layer_with_context_parallel_spec(**kwargs) -> ModuleSpec:
             is not supported.
 
     Returns:
-        A ``ModuleSpec`` of ``TransformerLayer`` whose self-attention uses the CP core attention.
+        A ``ModuleSpec`` of ``TransformerLayer`` whose self-attention is the package's.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.attention import SelfAttention
 
     if kwargs.get("multi_latent_attention"):
         raise ValueError("get_gpt_layer_with_context_parallel_spec does not support MLA")
@@ -406,6 +600,7 @@ def get_gpt_layer_with_context_parallel_spec(**kwargs) -> ModuleSpec:
         raise ValueError(f"expected SelfAttention in the local spec, got {attention.module}")
     attention = dataclasses.replace(
         attention,
+        module=ContextParallelSelfAttention,
         submodules=dataclasses.replace(
             attention.submodules, core_attention=ContextParallelAttention
         ),
