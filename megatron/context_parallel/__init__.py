@@ -6,9 +6,12 @@ Public API:
     scatter_to_context_parallel_region: full tensor -> this rank's rows (the inverse).
     reduce_over_data_parallel: all-reduce over the pure data-parallel group.
     ForwardOutput, TopK, compute_forward_output, make_output_processor: the output head.
+    context_parallel_batch, ContextParallelBatch: everything GPTModel.forward needs on this
+        rank for a plan (local ids and positions, packed_seq_params, output_processor).
     context_parallel_forward, default_plan: a megatron-core GPTModel forward under CP.
-    ContextParallelAttention, ContextParallelParams, get_gpt_layer_with_context_parallel_spec:
-        the reference CP core attention for megatron-core's local layer spec.
+    ContextParallelSelfAttention, ContextParallelAttention, ContextParallelParams,
+    get_gpt_layer_with_context_parallel_spec: megatron-core's local layer spec with rotary at
+        source positions and a reference CP core attention, for any plan.
 
 The model-level names import megatron-core's transformer stack, so they load on first use;
 ``import megatron.context_parallel`` itself stays light.
@@ -34,8 +37,11 @@ from megatron.context_parallel.plan import ContextParallelPlan
 __version__ = "0.1.0"
 
 _LAZY = {
+    "ContextParallelBatch": "megatron.context_parallel.model",
+    "context_parallel_batch": "megatron.context_parallel.model",
     "context_parallel_forward": "megatron.context_parallel.model",
     "default_plan": "megatron.context_parallel.model",
+    "ContextParallelSelfAttention": "megatron.context_parallel.attention",
     "ContextParallelAttention": "megatron.context_parallel.attention",
     "ContextParallelParams": "megatron.context_parallel.attention",
     "get_gpt_layer_with_context_parallel_spec": "megatron.context_parallel.attention",

@@ -1,52 +1,88 @@
-"""One call for a trainer: a megatron-core ``GPTModel`` forward under CP, full outputs back.
+"""megatron-core ``GPTModel.forward`` under CP for any plan: one batch helper, one forward path.
 
-``context_parallel_forward(model, input_ids, labels, ...)`` takes the caller's whole packed
-batch in the caller's order, picks (or takes) a ``ContextParallelPlan``, keeps this rank's rows
-(``scatter_to_context_parallel_region``), runs the embedding and the decoder on them and hands
-the final hidden rows to ``compute_forward_output``, which returns a ``ForwardOutput`` whose
-fields cover the whole batch in source order on every CP rank. The caller never sees the
-topology; gradients of any loss on those outputs flow back to the rows' owners.
+``context_parallel_batch(model, input_ids, labels, ...)`` takes the caller's whole packed batch
+in the caller's order and returns, for this rank, everything ``GPTModel.forward`` needs: the
+local input ids and position ids (this rank's rows, in its plan's order), the attention inputs
+(``packed_seq_params`` with its max lengths filled, or a mask) and an ``output_processor`` that
+turns the final hidden rows into a ``ForwardOutput`` whose fields cover the whole batch in source
+order on every CP rank. A megatron ``forward_step_func`` calls it and then the model::
+
+    batch = context_parallel_batch(model, tokens, labels, cu_seqlens=cu, fields="target_logprobs")
+    output = model(**batch.forward_kwargs())   # ForwardOutput on the last pipeline stage
+
+so megatron-core's schedules, ``DistributedDataParallel``, ``finalize_model_grads`` and pipeline
+stages run unchanged. ``context_parallel_forward`` is exactly those two lines.
 
 Positions: every local row keeps its *source* position. Learned absolute embeddings get the
-caller's ``position_ids`` of those rows; rotary embeddings are evaluated at them (so any plan
-rotates exactly like the unsharded sequence); attention masks by source position.
+caller's ``position_ids`` of those rows; rotary embeddings are evaluated at them by
+``ContextParallelSelfAttention`` (so any plan rotates exactly like the unsharded sequence);
+attention masks by source position.
 
-Attention backends, found by looking at the layers' ``core_attention``:
+Attention backends, found from the layers' modules; combinations that cannot be right raise
+``ValueError`` naming the plan and the module before anything runs:
 
-* ``ContextParallelAttention`` (``get_gpt_layer_with_context_parallel_spec``): any plan.
-* TransformerEngine's ``TEDotProductAttention``: only the layouts TE's own CP attention
-  expects, i.e. ``ContextParallelPlan.zigzag`` for one sequence (``sbhd``) and
-  ``ContextParallelPlan.thd`` for packed sequences (``thd``, rotary per sequence).
-* megatron-core's ``DotProductAttention``: CP 1 only (packed input via an explicit mask).
+* ``ContextParallelSelfAttention`` + ``ContextParallelAttention``
+  (``get_gpt_layer_with_context_parallel_spec``): any plan.
+* Another self-attention + ``ContextParallelAttention``: megatron-core applies ``GPTModel``'s
+  zigzag-sliced rotary table, so only plans where that table is exact (Megatron's zigzag layout
+  of one sequence with position ids ``0 .. S-1``).
+* TransformerEngine's ``TEDotProductAttention``: only the layouts TE's own CP attention expects,
+  ``ContextParallelPlan.zigzag`` for one sequence (``sbhd``) and ``ContextParallelPlan.thd`` for
+  packed sequences (``thd``, rotary per sequence), with default position ids.
+* megatron-core's ``DotProductAttention``: CP 1 only, rows whose rotary positions are
+  ``0 .. n-1`` in row order (any row order and packing without rotary); an explicit mask
+  keeps attention causal by source position and within each sequence.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from megatron.context_parallel.attention import ContextParallelAttention, ContextParallelParams
+from megatron.context_parallel.attention import (
+    ContextParallelAttention,
+    ContextParallelParams,
+    ContextParallelSelfAttention,
+    default_position_ids,
+)
 from megatron.context_parallel.groups import group_rank_and_size, resolve_context_parallel_group
-from megatron.context_parallel.head import ForwardOutput, compute_forward_output
-from megatron.context_parallel.mappings import scatter_to_context_parallel_region
+from megatron.context_parallel.head import ForwardOutput, make_output_processor
 from megatron.context_parallel.plan import ContextParallelPlan, as_cu_seqlens
+from megatron.context_parallel.rotary import megatron_rotary_is_exact, rotary_table_length
 
-__all__ = ["context_parallel_forward", "default_plan"]
+__all__ = [
+    "ContextParallelBatch",
+    "context_parallel_batch",
+    "context_parallel_forward",
+    "default_plan",
+]
 
-_REFERENCE, _TE, _LOCAL = "reference", "transformer_engine", "local"
+# Attention backends (see the module docstring).
+_SOURCE, _MEGATRON_ROTARY, _TE, _LOCAL, _NO_LAYERS = (
+    "source",
+    "megatron_rotary",
+    "transformer_engine",
+    "local",
+    "no_layers",
+)
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans.
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_default_plan(
     seq_len: int, cp_size: int, cu_seqlens: Optional[Tuple[int, ...]]
 ) -> ContextParallelPlan:
-    # Cached so a repeated batch shape reuses a plan already verified for the group (the
-    # mappings check a plan's agreement across ranks the first time it meets a group).
+    # Cached so a repeated batch shape reuses a plan object already verified for the group.
     if cu_seqlens is not None:
         lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
         if all(n % (2 * cp_size) == 0 for n in lengths):
@@ -65,199 +101,26 @@ def _cached_default_plan(
 def default_plan(
     seq_len: int, cp_size: int, cu_seqlens: Optional[Sequence[int]] = None
 ) -> ContextParallelPlan:
-    """The plan ``context_parallel_forward`` picks when none is given.
+    """The plan ``context_parallel_batch`` picks when none is given.
 
     With ``cu_seqlens``: TE's THD layout (``ContextParallelPlan.thd``) when every sequence
     length divides by ``2 * cp_size``, else contiguous blocks of the packed buffer (packing
     kept). Without: Megatron's zigzag when ``seq_len`` divides by ``2 * cp_size``, else
     contiguous blocks. Plans are cached per (seq_len, cp_size, cu_seqlens).
     """
-    cu = _host_cu_seqlens(cu_seqlens)
+    cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
     if cu is not None and cu[-1] != seq_len:
         raise ValueError(f"cu_seqlens ends at {cu[-1]} but the batch has {seq_len} tokens")
     return _cached_default_plan(int(seq_len), int(cp_size), cu)
 
 
-def _host_cu_seqlens(cu_seqlens) -> Optional[Tuple[int, ...]]:
-    return None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
-
-
-def _as_sequence(t: torch.Tensor, what: str, seq_len: Optional[int] = None) -> torch.Tensor:
-    """``[S]`` from ``[S]`` or ``[1, S]``; ValueError naming the shape otherwise."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1:
-        raise ValueError(f"{what} must be [S] or [1, S] (one packed batch), got {tuple(t.shape)}")
-    if t.dtype not in _INT_DTYPES:
-        raise ValueError(f"{what} must hold integers, got dtype {t.dtype}")
-    if seq_len is not None and t.shape[0] != seq_len:
-        raise ValueError(f"{what} has {t.shape[0]} positions but input_ids has {seq_len}")
-    return t
-
-
-def _unwrap(model):
-    """The GPTModel inside DDP / Float16Module style wrappers (``.module`` chains)."""
-    inner = model
-    while not hasattr(inner, "decoder") and hasattr(inner, "module"):
-        inner = inner.module
-    for name in ("embedding", "decoder", "output_layer", "config"):
-        if not hasattr(inner, name):
-            raise TypeError(
-                f"context_parallel_forward needs a megatron-core GPTModel (embedding, decoder, "
-                f"output_layer); {type(model).__name__} has no {name!r}"
-            )
-    if not (getattr(inner, "pre_process", True) and getattr(inner, "post_process", True)):
-        raise ValueError(
-            "context_parallel_forward runs whole models; pipeline stages (pre_process or "
-            "post_process False) are not supported"
-        )
-    return inner
-
-
-def _attention_backend(model) -> str:
-    kinds = set()
-    for layer in model.decoder.layers:
-        core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
-        if isinstance(core, ContextParallelAttention):
-            kinds.add(_REFERENCE)
-        elif type(core).__name__ == "TEDotProductAttention":
-            kinds.add(_TE)
-        elif type(core).__name__ == "DotProductAttention":
-            kinds.add(_LOCAL)
-        else:
-            raise TypeError(
-                f"unsupported core attention {type(core).__name__}; build the model with "
-                "get_gpt_layer_with_context_parallel_spec() (or TE's spec for zigzag / THD plans)"
-            )
-    if len(kinds) != 1:
-        raise TypeError(f"the layers mix core attention backends {sorted(kinds)}")
-    return kinds.pop()
-
-
-def _rotary_rows(rope, positions: torch.Tensor) -> torch.Tensor:
-    """megatron's ``RotaryEmbedding.get_emb`` evaluated at ``positions``: ``[n, 1, 1, dim]``.
-
-    Computed directly for the given positions (any order, any plan), on the positions' device.
-    """
-    inv_freq = rope.inv_freq.to(positions.device)
-    seq = positions.to(inv_freq.dtype)
-    if rope.seq_len_interpolation_factor is not None:
-        seq = seq * (1 / rope.seq_len_interpolation_factor)
-    freqs = torch.outer(seq, inv_freq)
-    if rope.rotary_interleaved:
-        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-    else:
-        emb = torch.cat((freqs, freqs), dim=-1)
-    return emb[:, None, None, :]
-
-
-def _check_te_layout(plan: ContextParallelPlan, cu: Optional[Tuple[int, ...]]) -> None:
-    """TE's CP attention computes on fixed layouts; any other plan would be silently wrong."""
-    if plan.cp_size == 1:
-        return
-    if cu is None:
-        expected = (
-            ContextParallelPlan.zigzag(plan.seq_len, plan.cp_size)
-            if plan.seq_len % (2 * plan.cp_size) == 0
-            else None
-        )
-        name = "ContextParallelPlan.zigzag"
-    else:
-        try:
-            expected = ContextParallelPlan.thd(cu, plan.cp_size)
-        except ValueError:
-            expected = None
-        name = "ContextParallelPlan.thd"
-    if (
-        expected is None
-        or expected.counts != plan.counts
-        or not all(
-            torch.equal(expected.local_positions(r), plan.local_positions(r))
-            for r in range(plan.cp_size)
-        )
-    ):
-        raise ValueError(
-            f"TEDotProductAttention under CP needs the {name} layout; got {plan}. Use "
-            "get_gpt_layer_with_context_parallel_spec() for other plans"
-        )
-
-
-def context_parallel_forward(
-    model,
-    input_ids: torch.Tensor,
-    labels: Optional[torch.Tensor] = None,
-    *,
-    position_ids: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[Union[Sequence[int], torch.Tensor]] = None,
-    plan: Optional[ContextParallelPlan] = None,
-    fields: Union[str, Sequence[str]] = ("hidden_states",),
-    top_k: int = 0,
-    cp_group: Optional[dist.ProcessGroup] = None,
-    tp_group: Optional[dist.ProcessGroup] = None,
-    gather_logits: bool = True,
-    context_parallel_output_grad: bool = False,
-) -> ForwardOutput:
-    """Forward: shard the caller's batch by the plan, run the model, gather the requested
-    fields to source order on every CP rank; backward: each rank gets its rows' gradients.
-
-    Every rank of the CP group calls this with the same full batch.
-
-    Args:
-        model: a megatron-core ``GPTModel`` (or a ``.module`` wrapper of one) holding the whole
-            layer stack (no pipeline stages).
-        input_ids: int ``[S]`` or ``[1, S]``: the packed batch in the caller's order.
-        labels: int ``[S]`` (or ``[1, S]``) targets in source order, already shifted; -100 marks
-            positions without one. Needed for ``target_logprobs``.
-        position_ids: int ``[S]`` source position ids for the position embedding; default
-            ``0 .. len-1`` within each packed sequence. TE THD runs use megatron's own
-            per-sequence rotary positions and ignore them.
-        cu_seqlens: cumulative lengths ``(0, l0, l0+l1, ..., S)`` of packed sequences (a list or
-            CPU tensor; a device tensor is read back once); attention stays within a sequence.
-        plan: the ``ContextParallelPlan`` (same on every rank); default ``default_plan(S, cp,
-            cu_seqlens)`` (THD, zigzag or contiguous).
-        fields, top_k, gather_logits, context_parallel_output_grad: see
-            ``megatron.context_parallel.head.compute_forward_output``.
-        cp_group: the CP group; default the model's (``model.pg_collection.cp``), else
-            megatron's ``parallel_state`` one.
-        tp_group: the TP group; default the model's, else megatron's.
-
-    Returns:
-        ``ForwardOutput`` over all ``S`` positions in the caller's order (``plan`` attached).
-
-    Raises:
-        ValueError / TypeError: malformed inputs, a plan whose ``seq_len`` or ``cp_size`` does
-            not match, ``cu_seqlens`` that disagree with the plan's, a plan TE cannot run, or an
-            unsupported model feature (MLA, yarn / mrope, MuP, pipeline stages). Raised on every
-            rank alike, before any collective.
-    """
-    gpt = _unwrap(model)
-    config = gpt.config
-    input_ids = _as_sequence(input_ids, "input_ids")
-    seq_len = input_ids.shape[0]
-    device = input_ids.device
-    if labels is not None:
-        labels = _as_sequence(labels, "labels", seq_len)
-    if getattr(config, "use_mup", False):
-        raise ValueError("context_parallel_forward does not support MuP logit scaling")
-    if config.multi_latent_attention:
-        raise ValueError("context_parallel_forward does not support multi-latent attention")
-    pos_type = gpt.position_embedding_type
-    if pos_type not in ("rope", "learned_absolute", "none"):
-        raise ValueError(f"position_embedding_type {pos_type!r} is not supported under CP")
-
-    pgs = getattr(gpt, "pg_collection", None)
-    if cp_group is None:
-        cp_group = getattr(pgs, "cp", None) if pgs is not None else None
-        if cp_group is None:
-            cp_group = resolve_context_parallel_group(None)
-    if tp_group is None and pgs is not None:
-        tp_group = getattr(pgs, "tp", None)
-    cp_rank, cp_size = group_rank_and_size(cp_group)
-    tp_size = group_rank_and_size(tp_group)[1] if tp_group is not None else 1
-
-    cu = _host_cu_seqlens(cu_seqlens)
+def _resolve_plan(
+    plan: Optional[ContextParallelPlan],
+    seq_len: int,
+    cp_size: int,
+    cu: Optional[Tuple[int, ...]],
+) -> Tuple[ContextParallelPlan, Optional[Tuple[int, ...]]]:
+    """(the batch's plan, its cu_seqlens); ValueError naming the numbers when they disagree."""
     if cu is not None and cu[-1] != seq_len:
         raise ValueError(f"cu_seqlens ends at {cu[-1]} but input_ids has {seq_len} tokens")
     if plan is None:
@@ -272,105 +135,246 @@ def context_parallel_forward(
         )
     if cu is not None and plan.cu_seqlens is not None and cu != plan.cu_seqlens:
         raise ValueError(f"cu_seqlens {list(cu)} differ from the plan's {list(plan.cu_seqlens)}")
-    if cu is None:
-        cu = plan.cu_seqlens
     if plan.max_count == 0:
         raise ValueError(f"the plan owns no position of the {seq_len}-token batch")
-    if config.sequence_parallel and tp_size > 1 and any(c == 0 or c % tp_size for c in plan.counts):
+    return plan, (cu if cu is not None else plan.cu_seqlens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model.
+
+
+def _as_sequence(t: Tensor, what: str, seq_len: Optional[int] = None) -> Tensor:
+    """``[S]`` from ``[S]`` or ``[1, S]``; ValueError naming the shape otherwise."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise ValueError(f"{what} must be [S] or [1, S] (one packed batch), got {tuple(t.shape)}")
+    if t.dtype not in _INT_DTYPES:
+        raise ValueError(f"{what} must hold integers, got dtype {t.dtype}")
+    if seq_len is not None and t.shape[0] != seq_len:
+        raise ValueError(f"{what} has {t.shape[0]} positions but input_ids has {seq_len}")
+    return t
+
+
+def _unwrap(model):
+    """The GPTModel (or pipeline stage of one) inside DDP / Float16Module style wrappers."""
+    inner = model
+    while not hasattr(inner, "decoder") and hasattr(inner, "module"):
+        inner = inner.module
+    for name in ("decoder", "config", "position_embedding_type"):
+        if not hasattr(inner, name):
+            raise TypeError(
+                f"context_parallel_batch needs a megatron-core GPTModel (or a pipeline stage of "
+                f"one); {type(model).__name__} has no {name!r}"
+            )
+    return inner
+
+
+def _check_model(gpt) -> None:
+    config = gpt.config
+    if getattr(config, "use_mup", False):
+        raise ValueError("context_parallel_batch does not support MuP logit scaling")
+    if config.multi_latent_attention:
+        raise ValueError("context_parallel_batch does not support multi-latent attention")
+    if gpt.position_embedding_type not in ("rope", "learned_absolute", "none"):
         raise ValueError(
-            f"sequence parallelism needs every CP shard non-empty and divisible by TP "
-            f"{tp_size}; plan counts {plan.counts}"
+            f"position_embedding_type {gpt.position_embedding_type!r} is not supported under CP"
         )
-    backend = _attention_backend(gpt)
-    if backend == _LOCAL and cp_size > 1:
-        raise ValueError(
-            "megatron-core's DotProductAttention cannot run CP > 1; build the model with "
-            "get_gpt_layer_with_context_parallel_spec()"
-        )
-    if backend == _TE:
-        _check_te_layout(plan, cu)
 
-    if position_ids is None:
-        lengths = [seq_len] if cu is None else [b - a for a, b in zip(cu[:-1], cu[1:])]
-        position_ids = torch.cat(
-            [torch.arange(n, dtype=torch.int64) for n in lengths]
-            or [torch.zeros(0, dtype=torch.int64)]
-        ).to(device)
-    else:
-        position_ids = _as_sequence(position_ids, "position_ids", seq_len).to(device)
 
-    local_ids = scatter_to_context_parallel_region(input_ids, plan, cp_group)
-    local_positions = scatter_to_context_parallel_region(position_ids, plan, cp_group)
-    padding = 1 if plan.counts[cp_rank] == 0 else 0
-    if padding:
-        # megatron-core's layers cannot run zero rows: an empty rank runs one padding row,
-        # masked out of every attention (see ContextParallelParams.padding_rows) and dropped.
-        local_ids = torch.zeros(1, dtype=local_ids.dtype, device=device)
-        local_positions = torch.zeros(1, dtype=local_positions.dtype, device=device)
-    decoder_input = gpt.embedding(input_ids=local_ids[None], position_ids=local_positions[None])
+def _attention_backend(gpt) -> Tuple[str, str]:
+    """(backend, the layers' attention modules in words, for messages)."""
+    kinds, names = set(), set()
+    for layer in gpt.decoder.layers:
+        attention = getattr(layer, "self_attention", None)
+        core = getattr(attention, "core_attention", None)
+        names.add(f"{type(attention).__name__} with {type(core).__name__}")
+        if isinstance(core, ContextParallelAttention):
+            own = isinstance(attention, ContextParallelSelfAttention)
+            kinds.add(_SOURCE if own else _MEGATRON_ROTARY)
+        elif type(core).__name__ == "TEDotProductAttention":
+            kinds.add(_TE)
+        elif type(core).__name__ == "DotProductAttention":
+            kinds.add(_LOCAL)
+        else:
+            raise TypeError(
+                f"unsupported core attention {type(core).__name__}; build the model with "
+                "get_gpt_layer_with_context_parallel_spec() (or TE's spec for zigzag / THD plans)"
+            )
+    if not kinds:
+        return _NO_LAYERS, "no layers"
+    if len(kinds) != 1:
+        raise TypeError(f"the layers mix attention modules: {sorted(names)}")
+    return kinds.pop(), names.pop()
 
-    rotary = None
-    attention_mask = None
-    packed = None
-    if backend == _REFERENCE:
-        packed = ContextParallelParams.for_plan(
-            plan, cp_group if cp_size > 1 else None, device=device, cu_seqlens=cu
-        )
-        if pos_type == "rope":
-            rotary = _rotary_rows(gpt.rotary_pos_emb, local_positions)
-    elif backend == _LOCAL:
-        # The rows are in plan order, which need not be source order, so the default causal
-        # mask would be wrong; megatron's convention is True = masked.
-        params = ContextParallelParams.for_plan(plan, None, device=device, cu_seqlens=cu)
-        attention_mask = ~params.allowed(True)[None, None]
-        if pos_type == "rope":
-            rotary = _rotary_rows(gpt.rotary_pos_emb, local_positions)
-    else:
-        rotary, packed = _te_inputs(gpt, plan, cu, cp_group, device, local_positions, pos_type)
 
-    hidden = gpt.decoder(
-        hidden_states=decoder_input,
-        attention_mask=attention_mask,
-        rotary_pos_emb=rotary,
-        packed_seq_params=packed,
-    )
-    if padding:
-        hidden = hidden[:0]
-    if gpt.share_embeddings_and_output_weights:
-        weight = gpt.shared_embedding_or_output_weight()
-    else:
-        weight = gpt.output_layer.weight
-    return compute_forward_output(
-        hidden,
-        weight,
-        plan,
-        labels=labels,
-        fields=fields,
-        top_k=top_k,
-        cp_group=cp_group,
-        tp_group=tp_group,
-        sequence_parallel=bool(config.sequence_parallel and tp_size > 1),
-        gather_logits=gather_logits,
-        context_parallel_output_grad=context_parallel_output_grad,
+def _same_rows(a: ContextParallelPlan, b: Optional[ContextParallelPlan]) -> bool:
+    return (
+        b is not None
+        and a.counts == b.counts
+        and all(torch.equal(a.local_positions(r), b.local_positions(r)) for r in range(a.cp_size))
     )
 
 
-def _te_inputs(gpt, plan, cu, cp_group, device, local_positions, pos_type):
-    """Rotary table and ``PackedSeqParams`` for TEDotProductAttention (zigzag or THD plans).
+def _check_plan_for_backend(
+    backend: str,
+    module: str,
+    plan: ContextParallelPlan,
+    cu: Optional[Tuple[int, ...]],
+    positions: Callable[[], Tensor],
+    rotary: bool,
+) -> None:
+    """ValueError naming the plan and the module when the layers would compute on wrong rows.
 
-    Zigzag (one sequence, ``sbhd``): TE's ring attention assumes Megatron's zigzag rows, whose
-    rotary rows are exactly the rows at their source positions. THD: megatron-core passes the
-    per-sequence rotary table and ``cu_seqlens`` to TE, which picks each rank's rows itself.
+    ``positions()`` gives the batch's position ids on the host (only read when needed).
     """
+    if backend == _TE and plan.cp_size > 1:
+        if cu is None:
+            name = "ContextParallelPlan.zigzag"
+            expected = None
+            if plan.seq_len % (2 * plan.cp_size) == 0:
+                expected = ContextParallelPlan.zigzag(plan.seq_len, plan.cp_size)
+        else:
+            name = "ContextParallelPlan.thd"
+            try:
+                expected = ContextParallelPlan.thd(cu, plan.cp_size)
+            except ValueError:
+                expected = None
+        if not _same_rows(plan, expected):
+            raise ValueError(
+                f"{module} under CP needs the {name} layout; got {plan}. Use "
+                "get_gpt_layer_with_context_parallel_spec() for other plans"
+            )
+        if rotary and not torch.equal(positions(), default_position_ids(plan.seq_len, cu)):
+            raise ValueError(
+                f"{module} applies megatron-core's rotary table, which assumes position ids "
+                f"0 .. len-1 per sequence; {plan} was given other position ids"
+            )
+    elif backend == _LOCAL:
+        if plan.cp_size > 1:
+            raise ValueError(
+                f"{module} cannot run CP {plan.cp_size} ({plan}); build the model with "
+                "get_gpt_layer_with_context_parallel_spec()"
+            )
+        if rotary and not megatron_rotary_is_exact(plan, positions(), plan.counts[0]):
+            raise ValueError(
+                f"{module} applies megatron-core's rotary table at row indices 0 .. n-1, which "
+                f"are not the position ids of the rows of {plan}; build the model with "
+                "get_gpt_layer_with_context_parallel_spec()"
+            )
+    elif backend == _MEGATRON_ROTARY:
+        table_len = rotary_table_length(
+            plan.sequence_lengths if cu is None else _lengths(cu), plan.cp_size
+        )
+        if not megatron_rotary_is_exact(plan, positions(), table_len):
+            raise ValueError(
+                f"{module}: megatron-core's SelfAttention applies GPTModel's own rotary table, "
+                f"sliced in zigzag order, which is wrong for the rows of {plan}. Build the "
+                "layers with get_gpt_layer_with_context_parallel_spec() "
+                "(ContextParallelSelfAttention applies rotary at source positions)"
+            )
+
+
+def _lengths(cu: Sequence[int]) -> list:
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch.
+
+
+@dataclass
+class ContextParallelBatch:
+    """What ``GPTModel.forward`` needs on this rank for one packed batch under a CP plan.
+
+    Attributes:
+        input_ids: int ``[1, n]``: this rank's token ids in its plan's order (``n =
+            plan.counts[rank]``, or one padding row on a rank that owns nothing); None when the
+            caller passed no ids (pipeline stages after the first ignore them).
+        position_ids: int64 ``[1, n]``: the position ids of those rows.
+        attention_mask: bool ``[1, 1, n, n]`` (True = masked) for megatron-core's
+            ``DotProductAttention`` at CP 1; None for the other backends.
+        packed_seq_params: ``ContextParallelParams`` for the package's attention (rotary rows at
+            source positions, ``max_seqlen_q / kv`` filled), TE's THD ``PackedSeqParams``, or
+            None (TE zigzag, megatron-core's attention).
+        output_processor: the ``GPTModel.forward(output_processor=...)`` hook returning the
+            ``ForwardOutput`` (full sequence, caller order, every CP rank) on the last pipeline
+            stage; it drops the padding row of an empty rank first.
+        plan: the batch's ``ContextParallelPlan``.
+        cp_size: the CP group size. A 3-tuple ``loss_func`` returns ``loss_sum * cp_size``
+            (megatron divides by a token count summed over DP x CP).
+        padding_rows: 1 on a rank that owns no position (it runs one padding row), else 0.
+    """
+
+    input_ids: Optional[Tensor]
+    position_ids: Tensor
+    attention_mask: Optional[Tensor]
+    packed_seq_params: Any
+    output_processor: Callable[..., ForwardOutput]
+    plan: ContextParallelPlan
+    cp_size: int
+    padding_rows: int
+
+    def forward_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of ``GPTModel.forward`` (``model(**batch.forward_kwargs())``)."""
+        return dict(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            attention_mask=self.attention_mask,
+            packed_seq_params=self.packed_seq_params,
+            output_processor=self.output_processor,
+        )
+
+    @property
+    def pipeline_seq_length(self) -> Optional[int]:
+        """``seq_length`` for megatron's pipeline schedules, or None when there is none.
+
+        The schedules size the tensors passed between stages as ``seq_length / cp_size`` rows.
+        That is every rank's row count only when the plan's shards are equal (zigzag, THD,
+        equal contiguous blocks): then this is ``rows * cp_size``. For uneven or empty shards
+        it is None: set ``config.variable_seq_lengths = True`` so the stages exchange shapes.
+        """
+        rows = {c + (1 if c == 0 else 0) for c in self.plan.counts}
+        if len(rows) != 1:
+            return None
+        return rows.pop() * self.cp_size
+
+
+def _drop_padding(processor: Callable[..., ForwardOutput], padding_rows: int):
+    """The output processor, minus the padding row an empty rank ran through the layers."""
+    if not padding_rows:
+        return processor
+
+    def output_processor(*, hidden_states: Tensor, **kwargs: Any) -> ForwardOutput:
+        return processor(
+            hidden_states=hidden_states[: hidden_states.shape[0] - padding_rows], **kwargs
+        )
+
+    return output_processor
+
+
+def _local_mask(plan: ContextParallelPlan, cu, device) -> Tensor:
+    """bool ``[1, 1, n, n]``, True = masked: causal by source position, within each sequence.
+
+    For megatron-core's ``DotProductAttention`` at CP 1, whose own causal mask assumes the rows
+    are in source order.
+    """
+    params = ContextParallelParams.for_plan(plan, None, device=device, cu_seqlens=cu)
+    return ~params.allowed(True)[None, None]
+
+
+def _te_thd_params(cu: Tuple[int, ...], cp_group, device):
+    """megatron-core's THD ``PackedSeqParams`` for TE: the unsplit ``cu_seqlens`` (int32), the
+    longest sequence, the CP group. TE then picks each rank's rows (``ContextParallelPlan.thd``)
+    and megatron-core applies rotary per sequence."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    if cu is None:
-        rotary = _rotary_rows(gpt.rotary_pos_emb, local_positions) if pos_type == "rope" else None
-        return rotary, None
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    longest = max(lengths) if lengths else 0
+    longest = max(_lengths(cu), default=0)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
-    packed = PackedSeqParams(
+    return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_t,
         cu_seqlens_kv=cu_t,
@@ -380,7 +384,177 @@ def _te_inputs(gpt, plan, cu, cp_group, device, local_positions, pos_type):
         max_seqlen_kv=longest,
         cp_group=cp_group,
     )
-    rotary = None
-    if pos_type == "rope":
-        rotary = _rotary_rows(gpt.rotary_pos_emb, torch.arange(longest, device=device))
-    return rotary, packed
+
+
+def context_parallel_batch(
+    model,
+    input_ids: Optional[Tensor],
+    labels: Optional[Tensor] = None,
+    *,
+    position_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Union[Sequence[int], Tensor]] = None,
+    plan: Optional[ContextParallelPlan] = None,
+    cp_group: Optional[dist.ProcessGroup] = None,
+    fields: Union[str, Sequence[str]] = ("hidden_states",),
+    top_k: int = 0,
+    gather_logits: bool = True,
+    chunk_size: int = 512,
+    context_parallel_output_grad: bool = False,
+) -> ContextParallelBatch:
+    """Everything ``GPTModel.forward`` needs on this rank to run one packed batch under CP.
+
+    Every rank of the CP group (and every pipeline stage) calls it with the same full batch.
+    No collective runs here: the local rows are picked on the host side of the plan.
+
+    Args:
+        model: a megatron-core ``GPTModel`` or one pipeline stage of it, possibly wrapped
+            (``DistributedDataParallel``, ``Float16Module``: anything with ``.module``).
+        input_ids: int ``[S]`` or ``[1, S]``: the packed batch in the caller's order. May be
+            None on pipeline stages that do not embed (``pre_process=False``) when ``plan`` is
+            given.
+        labels: int ``[S]`` (or ``[1, S]``) targets in source order, already shifted; -100 marks
+            positions without one. Full length, never sliced; needed for ``target_logprobs``
+            (read on the last pipeline stage only).
+        position_ids: int ``[S]`` position ids of the batch in source order; default ``0 ..
+            len-1`` within each packed sequence. Rotary and learned embeddings use them.
+        cu_seqlens: cumulative lengths ``(0, l0, l0+l1, ..., S)`` of packed sequences (a list or
+            CPU tensor; a device tensor is read back once); attention stays within a sequence.
+        plan: the ``ContextParallelPlan`` (the same on every CP rank); default ``default_plan(S,
+            cp, cu_seqlens)``.
+        cp_group: the CP group; default the model's (``pg_collection.cp``), else megatron-core's
+            ``parallel_state`` one.
+        fields, top_k, gather_logits, chunk_size, context_parallel_output_grad: the output
+            options of ``megatron.context_parallel.head.compute_forward_output``.
+
+    Returns:
+        A ``ContextParallelBatch``; ``model(**batch.forward_kwargs())`` returns the
+        ``ForwardOutput`` on the last pipeline stage and the hidden rows ``[n, 1, H]`` (this
+        rank's, plan order) on the others.
+
+    Raises:
+        ValueError / TypeError: malformed inputs; a plan whose ``seq_len`` or ``cp_size`` does
+            not match; ``cu_seqlens`` that disagree with the plan's; an unsupported model
+            feature (MLA, YaRN / mRoPE, MuP); a plan the model's attention modules cannot run
+            correctly (the message names the plan and the module). All decided from the
+            arguments and the plan alone, so every rank given the same batch raises alike.
+    """
+    gpt = _unwrap(model)
+    _check_model(gpt)
+    config = gpt.config
+    pre_process = getattr(gpt, "pre_process", True)
+
+    if input_ids is not None:
+        input_ids = _as_sequence(input_ids, "input_ids")
+        seq_len, device = input_ids.shape[0], input_ids.device
+    elif pre_process:
+        raise ValueError("input_ids are needed on the first pipeline stage (it embeds them)")
+    elif plan is None:
+        raise ValueError("without input_ids (a later pipeline stage) the plan must be given")
+    else:
+        seq_len = plan.seq_len
+        device = next(gpt.parameters()).device
+    if labels is not None:
+        labels = _as_sequence(labels, "labels", seq_len)
+
+    pgs = getattr(gpt, "pg_collection", None)
+    if cp_group is None:
+        cp_group = getattr(pgs, "cp", None) if pgs is not None else None
+        if cp_group is None:
+            cp_group = resolve_context_parallel_group(None)
+    cp_rank, cp_size = group_rank_and_size(cp_group)
+    tp_group = getattr(pgs, "tp", None) if pgs is not None else None
+    tp_size = tp_group.size() if tp_group is not None else config.tensor_model_parallel_size
+
+    cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
+    plan, cu = _resolve_plan(plan, seq_len, cp_size, cu)
+    if config.sequence_parallel and tp_size > 1 and any(c == 0 or c % tp_size for c in plan.counts):
+        raise ValueError(
+            f"sequence parallelism needs every CP shard non-empty and divisible by TP "
+            f"{tp_size}; plan counts {plan.counts}"
+        )
+    if position_ids is None:
+        position_ids = default_position_ids(seq_len, cu)
+    else:
+        position_ids = _as_sequence(position_ids, "position_ids", seq_len)
+    host_positions = functools.lru_cache(maxsize=1)(lambda: position_ids.to("cpu", torch.int64))
+
+    rotary = gpt.position_embedding_type == "rope"
+    backend, module = _attention_backend(gpt)
+    _check_plan_for_backend(backend, module, plan, cu, host_positions, rotary)
+
+    # This rank's rows (an index, no communication: ids carry no gradient), plus one padding row
+    # on an empty rank: megatron-core's layers cannot run zero rows.
+    padding = 1 if plan.counts[cp_rank] == 0 else 0
+    rows = plan.local_positions(cp_rank, device)
+    local_positions = position_ids.to(device, torch.int64).index_select(0, rows)
+    local_ids = None if input_ids is None else input_ids.index_select(0, rows)
+    if padding:
+        local_positions = local_positions.new_zeros(1)
+        local_ids = None if local_ids is None else local_ids.new_zeros(1)
+
+    attention_mask, packed = None, None
+    if backend in (_SOURCE, _MEGATRON_ROTARY):
+        packed = ContextParallelParams.for_plan(
+            plan,
+            cp_group if cp_size > 1 else None,
+            device=device,
+            cu_seqlens=cu,
+            position_ids=position_ids,
+            rotary=gpt.rotary_pos_emb if rotary and backend == _SOURCE else None,
+        )
+    elif backend == _LOCAL:
+        attention_mask = _local_mask(plan, cu, device)
+    elif backend == _TE and cu is not None:
+        packed = _te_thd_params(cu, cp_group, device)
+
+    processor = make_output_processor(
+        plan,
+        labels=labels,
+        fields=fields,
+        top_k=top_k,
+        cp_group=cp_group,
+        gather_logits=gather_logits,
+        chunk_size=chunk_size,
+        context_parallel_output_grad=context_parallel_output_grad,
+    )
+    return ContextParallelBatch(
+        input_ids=None if local_ids is None else local_ids[None],
+        position_ids=local_positions[None],
+        attention_mask=attention_mask,
+        packed_seq_params=packed,
+        output_processor=_drop_padding(processor, padding),
+        plan=plan,
+        cp_size=cp_size,
+        padding_rows=padding,
+    )
+
+
+def context_parallel_forward(
+    model,
+    input_ids: Optional[Tensor],
+    labels: Optional[Tensor] = None,
+    **options: Any,
+) -> Union[ForwardOutput, Tensor]:
+    """Forward: shard the caller's batch by the plan, run ``GPTModel.forward`` on this rank's
+    rows, gather the requested fields to source order on every CP rank; backward: each rank
+    gets its rows' gradients.
+
+    Exactly ``model(**context_parallel_batch(model, input_ids, labels, **options)
+    .forward_kwargs())``: one forward path, the one megatron's schedules run. Every rank of the
+    CP group calls it with the same full batch.
+
+    Args:
+        model, input_ids, labels, **options: as ``context_parallel_batch`` (``position_ids``,
+            ``cu_seqlens``, ``plan``, ``cp_group``, ``fields``, ``top_k``, ``gather_logits``,
+            ``chunk_size``, ``context_parallel_output_grad``).
+
+    Returns:
+        ``ForwardOutput`` over all ``S`` positions in the caller's order (``plan`` attached) on
+        the last pipeline stage (or without pipeline parallelism); this rank's hidden rows
+        ``[n, 1, H]`` on earlier stages (whose input megatron's schedule sets).
+
+    Raises:
+        ValueError / TypeError: see ``context_parallel_batch``.
+    """
+    batch = context_parallel_batch(model, input_ids, labels, **options)
+    return model(**batch.forward_kwargs())
