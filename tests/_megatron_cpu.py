@@ -17,23 +17,104 @@ from typing import Optional
 
 import torch
 
-__all__ = ["cpu_current_device", "init_parallel", "build_tiny_gpt", "TINY"]
+__all__ = [
+    "cpu_current_device",
+    "init_parallel",
+    "build_tiny_gpt",
+    "global_name",
+    "load_stage",
+    "TINY",
+]
 
 # The tiny model of the end-to-end tests.
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, max_seq_len=128)
 
 
+class _NoStream:
+    """Stands in for ``torch.cuda.current_stream()``: CPU work is already in order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _cpu_device(kwargs: dict) -> dict:
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cuda":
+        kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return kwargs
+
+
+def _cpu_factory(factory):
+    def factory_on_cpu(*args, **kwargs):
+        return factory(*args, **_cpu_device(kwargs))
+
+    factory_on_cpu.__wrapped__ = factory
+    return factory_on_cpu
+
+
+def _type_as_cuda(type_of):
+    def type_name(self, *args, **kwargs):
+        name = type_of(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    type_name.__wrapped__ = type_of
+    return type_name
+
+
+_INSTALLED = False
+
+
 def cpu_current_device() -> None:
-    """On a machine without CUDA, make ``torch.cuda.current_device()`` return the CPU device."""
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: torch.device("cpu")
+    """On a machine without CUDA, let megatron-core's CUDA-only calls run on the CPU.
+
+    megatron-core 0.19.2 names CUDA outright on the paths these tests use. Each shim makes one
+    such call mean "the CPU", which is where every tensor of these tests lives (gloo):
+
+    * ``torch.cuda.current_device()`` (rotary ``inv_freq``, p2p shape buffers, TP helpers)
+      answers ``cpu``;
+    * ``torch.zeros / empty / ones / full / tensor(..., device="cuda")`` (the schedules' token
+      counter, the optimizers' flags) allocate on the CPU, and ``pin_memory=True`` (the rotary
+      table's CP slice) is dropped: there is no pinned allocator without CUDA;
+    * ``Tensor.cuda()`` (tied embeddings, the rotary CP slice) returns the tensor unchanged;
+    * ``torch.cuda.current_stream()`` (the DDP grad buffer) is a stream whose waits do
+      nothing, and ``torch.cuda.synchronize()`` (p2p shape exchange) returns at once: gloo
+      calls complete before they return;
+    * ``Tensor.type()`` without arguments names a CPU tensor as its CUDA twin
+      (``torch.cuda.FloatTensor``): the distributed optimizer sorts parameters by that name
+      and refuses any other.
+
+    Installed once per process; does nothing when CUDA exists. Nothing in the package relies
+    on it: the package never calls CUDA on a CPU path.
+    """
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    _INSTALLED = True
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    for name in ("zeros", "empty", "ones", "full", "tensor"):
+        setattr(torch, name, _cpu_factory(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.type = _type_as_cuda(torch.Tensor.type)
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
 
 
-def init_parallel(tp: int = 1, cp: int = 1) -> None:
+def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, vpp: Optional[int] = None) -> None:
     """(Re)initialises megatron's ``parallel_state`` on the running gloo world.
 
-    The world is split into TP x CP x DP (DP = world / (TP * CP)); earlier groups are destroyed,
-    so one worker can run several layouts in turn.
+    The world is split into TP x CP x DP x PP (DP = world / (TP * CP * PP)), with ``vpp``
+    virtual stages per pipeline rank (interleaved schedule) when given; earlier groups are
+    destroyed, so one worker can run several layouts in turn.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
@@ -41,7 +122,12 @@ def init_parallel(tp: int = 1, cp: int = 1) -> None:
     cpu_current_device()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
@@ -51,11 +137,16 @@ def build_tiny_gpt(
     reference: bool = False,
     position_embedding_type: str = "rope",
     num_query_groups: Optional[int] = None,
+    num_layers: int = TINY["num_layers"],
+    tied: bool = False,
+    vp_stage: Optional[int] = None,
 ):
-    """The tiny fp32 GPTModel, identical (before TP sharding) on every rank and layout.
+    """The tiny fp32 GPTModel (or this rank's pipeline stage of it).
 
     ``use_cpu_initialization`` builds each full weight from the CPU RNG and then keeps this TP
-    rank's slice, so the same ``seed`` gives the same model for every TP / CP size.
+    rank's slice, so the same ``seed`` gives the same model for every TP / CP size. Pipeline
+    stages draw fewer weights, so their values differ: copy them from a whole model
+    (``load_stage``) to compare.
 
     Args:
         seed: torch seed set right before construction.
@@ -63,6 +154,9 @@ def build_tiny_gpt(
             instead of the context-parallel one.
         position_embedding_type: ``"rope"`` or ``"learned_absolute"``.
         num_query_groups: for GQA; None for plain multi-head attention.
+        num_layers: transformer layers of the whole model.
+        tied: share the input embedding and the output layer's weight.
+        vp_stage: the virtual pipeline stage to build (interleaved schedule), or None.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -71,13 +165,17 @@ def build_tiny_gpt(
 
     from megatron.context_parallel.attention import get_gpt_layer_with_context_parallel_spec
 
+    pp = ps.get_pipeline_model_parallel_world_size()
     config = TransformerConfig(
-        num_layers=TINY["num_layers"],
+        num_layers=num_layers,
         hidden_size=TINY["hidden_size"],
         num_attention_heads=TINY["num_attention_heads"],
         num_query_groups=num_query_groups,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.float32 if pp > 1 else None,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         bias_dropout_fusion=False,
@@ -95,4 +193,27 @@ def build_tiny_gpt(
         vocab_size=TINY["vocab_size"],
         max_sequence_length=TINY["max_seq_len"],
         position_embedding_type=position_embedding_type,
+        share_embeddings_and_output_weights=tied,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
     )
+
+
+def global_name(stage, name: str) -> str:
+    """The whole model's name of ``stage``'s parameter ``name`` (layers renumbered globally;
+    a tied output layer on a later stage is the input embedding's weight)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = stage.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+    if name == "output_layer.weight" and stage.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return ".".join(parts)
+
+
+def load_stage(stage, whole_state: dict) -> None:
+    """Copies a whole model's parameters (``{name: tensor}``) into a pipeline stage of it."""
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            p.copy_(whole_state[global_name(stage, name)])

@@ -292,27 +292,74 @@ def test_cp4_tp2cp2_dp2cp2():
 
 
 def _cp1(rank, world_size):
-    """CP 1 through context_parallel_forward equals the reference, with either attention."""
+    """CP 1: the package's spec runs any row order and packing; megatron-core's own attention
+    runs what its rotary table gets right, and refuses the rest."""
     mc.init_parallel(1, 1)
     results = {}
+    fields = dict(fields=FIELDS, top_k=TOP_K)
+
+    def run(name, model, ids, labels, ref, seed, **kwargs):
+        out = context_parallel_forward(model, ids, labels, **kwargs, **fields)
+        _output_loss(out, ids.numel(), seed).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results[name] = _compare(out, ref, grads)
+
     for kind, seed in (("thd", 3), ("uneven", 4)):
         ids, labels, cu, _, _ = _case(kind, 2, seed)
         ref = _reference(ids, labels, cu, seed, {})
-        for reference_spec in (False, True):
-            model = mc.build_tiny_gpt(reference=reference_spec)
-            # A permuted one-rank plan: rows in an order other than the source order.
-            plan = ContextParallelPlan.from_rank_positions([torch.randperm(ids.numel())])
-            out = context_parallel_forward(
-                model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
-            )
-            _output_loss(out, ids.numel(), seed).backward()
-            grads = {n: p.grad for n, p in model.named_parameters()}
-            results[f"cp1-{kind}-megatron_attention={reference_spec}"] = _compare(out, ref, grads)
-    return results
+        # A permuted one-rank plan: rows in an order other than the source order.
+        plan = ContextParallelPlan.from_rank_positions([torch.randperm(ids.numel())])
+        run(
+            f"cp1-{kind}-package-spec",
+            mc.build_tiny_gpt(),
+            ids,
+            labels,
+            ref,
+            seed,
+            cu_seqlens=cu,
+            plan=plan,
+        )
+
+    # megatron-core's DotProductAttention: one sequence, rows in source order (rotary at 0..n-1).
+    ids, labels, _, _, _ = _case("zigzag", 2, 5)
+    ref = _reference(ids, labels, None, 5, {})
+    megatron = mc.build_tiny_gpt(reference=True)
+    run("cp1-megatron-attention-in-order", megatron, ids, labels, ref, 5)
+    # Without rotary, megatron's attention runs any row order and packing (mask by source).
+    kind, seed, kw = "uneven", 6, {"position_embedding_type": "learned_absolute"}
+    p_ids, p_labels, cu, _, _ = _case(kind, 2, seed)
+    ref = _reference(p_ids, p_labels, cu, seed, kw)
+    plan = ContextParallelPlan.from_rank_positions([torch.randperm(p_ids.numel())])
+    run(
+        "cp1-megatron-learned",
+        mc.build_tiny_gpt(reference=True, **kw),
+        p_ids,
+        p_labels,
+        ref,
+        seed,
+        cu_seqlens=cu,
+        plan=plan,
+    )
+
+    # Rotary rows that megatron's table would get wrong: refused, naming the plan and module.
+    messages = []
+    permuted = ContextParallelPlan.from_rank_positions([torch.randperm(ids.numel())])
+    for kwargs in (dict(plan=permuted), dict(cu_seqlens=(0, 10, 24))):
+        try:
+            context_parallel_forward(mc.build_tiny_gpt(reference=True), ids, labels, **kwargs)
+            messages.append(None)
+        except ValueError as exc:
+            messages.append(str(exc))
+    return results, messages
 
 
-def test_cp1_matches_reference_with_both_attentions():
-    _check(run_distributed(_cp1, 1))
+def test_cp1_package_spec_any_rows_megatron_attention_only_where_exact():
+    ((results, messages),) = run_distributed(_cp1, 1)
+    _check([results])
+    for message in messages:
+        assert message is not None
+        assert "SelfAttention with DotProductAttention" in message, message
+        assert "ContextParallelPlan(cp_size=1" in message, message
 
 
 def test_default_plan_choice():

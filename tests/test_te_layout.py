@@ -20,6 +20,7 @@ from _dist import run_distributed
 
 from megatron.context_parallel import model as cp_model
 from megatron.context_parallel.plan import ContextParallelPlan
+from megatron.context_parallel.rotary import rotary_at_positions
 
 CU_SEQLENS = [(0, 16, 24, 56), (0, 8), (0, 48, 64, 72, 112)]
 
@@ -50,7 +51,7 @@ def _megatron_zigzag(rank, world_size):
                 torch.equal(sliced["tokens"][0], mine),
                 torch.equal(sliced["labels"][0], mine * 10),
                 # Rotary rows at source positions == megatron's CP-sliced rotary table.
-                torch.equal(cp_model._rotary_rows(rope, mine), sliced["rope"].transpose(0, 1)),
+                torch.equal(rotary_at_positions(rope, mine), sliced["rope"].transpose(0, 1)),
             )
     return out
 
@@ -81,35 +82,37 @@ def test_thd_equals_te_partitioned_indices_rederived(cp):
             assert torch.equal(plan.local_positions(r), _te_thd_reference(cu, cp, r)), (cu, cp, r)
 
 
+def _check_te(plan, cu=None, positions=None):
+    if positions is None:
+        positions = cp_model.default_position_ids(plan.seq_len, cu)
+    cp_model._check_plan_for_backend(
+        cp_model._TE, "TEDotProductAttention", plan, cu, lambda: positions, True
+    )
+
+
 def test_te_backend_accepts_only_te_layouts():
-    cp_model._check_te_layout(ContextParallelPlan.zigzag(16, 2), None)
-    cp_model._check_te_layout(ContextParallelPlan.thd((0, 8, 24), 2), (0, 8, 24))
+    _check_te(ContextParallelPlan.zigzag(16, 2))
+    _check_te(ContextParallelPlan.thd((0, 8, 24), 2), (0, 8, 24))
     with pytest.raises(ValueError, match="zigzag"):
-        cp_model._check_te_layout(ContextParallelPlan.contiguous(16, 2), None)
+        _check_te(ContextParallelPlan.contiguous(16, 2))
     with pytest.raises(ValueError, match="thd"):
-        cp_model._check_te_layout(cp_model.default_plan(10, 2, (0, 3, 10)), (0, 3, 10))
+        _check_te(cp_model.default_plan(10, 2, (0, 3, 10)), (0, 3, 10))
     uneven = ContextParallelPlan.from_rank_positions([[0, 1, 2], list(range(3, 16))])
     with pytest.raises(ValueError, match="zigzag"):
-        cp_model._check_te_layout(uneven, None)
+        _check_te(uneven)
+    # The right layout with other position ids: megatron-core's rotary table would be wrong.
+    with pytest.raises(ValueError, match="position ids"):
+        _check_te(ContextParallelPlan.zigzag(16, 2), positions=torch.arange(16) + 3)
 
 
 def test_te_thd_inputs_follow_megatron_thd_convention():
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    class _Model:
-        rotary_pos_emb = RotaryEmbedding(
-            kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True
-        )
-
     cu = (0, 8, 24, 28)
-    plan = ContextParallelPlan.thd(cu, 2)
-    rotary, packed = cp_model._te_inputs(_Model(), plan, cu, None, "cpu", None, "rope")
+    packed = cp_model._te_thd_params(cu, None, "cpu")
     assert packed.qkv_format == "thd"
     assert packed.cu_seqlens_q.dtype == torch.int32
     assert packed.cu_seqlens_q.tolist() == list(cu) == packed.cu_seqlens_kv.tolist()
+    assert packed.cu_seqlens_q_padded.tolist() == list(cu)
     assert packed.max_seqlen_q == packed.max_seqlen_kv == 16
-    # Per-sequence rotary table of the longest sequence, as megatron-core builds for THD.
-    assert torch.equal(rotary, cp_model._rotary_rows(_Model.rotary_pos_emb, torch.arange(16)))
 
 
 def _has_te_gpu():
