@@ -4,11 +4,12 @@ Launch: under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` set) each process joins th
 started in. Started plainly, an example forks its own ranks on this machine. NCCL on one GPU
 per rank when enough GPUs are visible, else gloo on the CPU (``--device cpu`` forces that).
 
-CPU: megatron-core asks ``torch.cuda.current_device()`` for a device in a few places (rotary
-tables, some tensor-parallel helpers), which raises on a CPU-only torch. ``_cpu_shim`` makes it
-answer ``cpu`` when no GPU exists, and megatron's RNG tracker is put in its inference flavour,
-whose forks touch no CUDA generator. The models here use no dropout, so nothing else changes.
-This is the only adaptation megatron-core needs to run these examples on a CPU.
+CPU: megatron-core names CUDA outright in a few places the examples reach (rotary tables, the
+pipeline schedules' token counter, the DDP grad buffer's stream, p2p shape exchange, tied
+embeddings, the optimizers' flags). ``_cpu_shim`` makes each of those calls mean "the CPU" when
+no GPU exists (see its docstring), and megatron's RNG tracker is put in its inference flavour,
+whose forks touch no CUDA generator. The models here use no dropout. The package itself needs
+none of this: it never calls CUDA on a CPU path.
 """
 
 from __future__ import annotations
@@ -91,9 +92,59 @@ def _use_cuda(device: str, local_world: int) -> bool:
     return enough
 
 
+class _NoStream:
+    """Stands in for ``torch.cuda.current_stream()``: CPU work is already in order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+def _on_cpu(factory):
+    def factory_on_cpu(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)  # no pinned allocator without CUDA
+        return factory(*args, **kwargs)
+
+    return factory_on_cpu
+
+
+def _cuda_type_names(type_of):
+    def type_name(self, *args, **kwargs):
+        name = type_of(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    return type_name
+
+
 def _cpu_shim() -> None:
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: torch.device("cpu")
+    """On a machine without CUDA, let megatron-core's CUDA-only calls run on the CPU.
+
+    Each makes one hard-coded CUDA call mean the CPU, where every tensor of a gloo rank lives:
+    ``torch.cuda.current_device()`` answers ``cpu``; ``torch.zeros / empty / ones / full /
+    tensor(device="cuda")`` allocate on the CPU without pinning; ``Tensor.cuda()`` returns the
+    tensor; ``torch.cuda.current_stream()`` is a stream whose waits do nothing and
+    ``torch.cuda.synchronize()`` returns at once (gloo calls complete before they return);
+    ``Tensor.type()`` names a CPU tensor as its CUDA twin, which megatron's distributed
+    optimizer requires. The same shims as the tests' ``tests/_megatron_cpu.py`` (examples do
+    not import tests).
+    """
+    if torch.cuda.is_available() or getattr(torch.cuda, "_mcp_cpu_shim", False):
+        return
+    torch.cuda._mcp_cpu_shim = True
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    for name in ("zeros", "empty", "ones", "full", "tensor"):
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
 
 
 def _join(rank: int, world: int, local_rank: int, local_world: int, cuda: bool, init: str):
@@ -190,14 +241,20 @@ def launch(fn: Callable[[argparse.Namespace, torch.device], None], args) -> int:
 # ---------------------------------------------------------------------- megatron-core setup
 
 
-def init_parallel(cp: int, tp: int = 1) -> None:
-    """(Re)builds megatron-core's process groups as TP x CP x DP over the running world."""
+def init_parallel(cp: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None) -> None:
+    """(Re)builds megatron-core's process groups as TP x CP x DP x PP over the running world,
+    with ``vpp`` virtual stages per pipeline rank when given."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 

@@ -136,7 +136,89 @@ def test_train_dp2_cp2_matches_cp1_and_plots(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("script,flag", [("cp_probe", "--cp-sizes"), ("train_gpt_cp", "--plot")])
+def _pretrain_rows(out: str) -> list:
+    rows = _table(out, "iter")
+    for r in rows:
+        ref, cp, diff = float(r[1]), float(r[2]), float(r[3])
+        assert abs(ref - cp) <= 1e-5 and diff <= 1e-5, r
+        assert 0 < ref < 10, r  # a real cross-entropy for a 128-token vocabulary
+    return rows
+
+
+@pytest.mark.slow
+def test_pretrain_pp2_cp2_matches_cp1_and_plots(tmp_path):
+    png = tmp_path / "loss.png"
+    args = ["--train-iters", "3"]
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    result = _run("pretrain_gpt_cp.py", *args)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "4 ranks on cpu (gloo)" in out and "tied embeddings" in out, out
+    rows = _pretrain_rows(out)
+    assert [r[0] for r in rows] == ["1", "2", "3"], out
+    assert float(rows[-1][1]) < float(rows[0][1]), out  # it trains
+    assert "loss DP 1 x CP 2 x PP 2" in out
+    assert "pretrain_gpt_cp: PASSED" in out
+    # One progress bar per run on stderr, each reaching its end.
+    assert "CP 1, DP 4" in result.stderr and "DP 1 x CP 2 x PP 2" in result.stderr
+    assert "3/3" in result.stderr
+    if png is not None:
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags,layout",
+    [
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "1",
+                "--use-distributed-optimizer",
+                "--calculate-per-token-loss",
+                "--cp-plan",
+                "uneven",
+            ],
+            "DP 2 x CP 2 x PP 1",
+        ),
+        (
+            [
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--cp-plan",
+                "uneven",
+                "--untie-embeddings-and-output-weights",
+                "--global-batch-size",
+                "4",
+            ],
+            "DP 1 x CP 2 x PP 2 (VPP 2)",
+        ),
+    ],
+    ids=["dp2-cp2-distributed-optimizer-per-token-uneven", "pp2-vpp2-cp2-uneven-untied"],
+)
+def test_pretrain_other_layouts_match_cp1(flags, layout):
+    result = _run("pretrain_gpt_cp.py", "--train-iters", "2", *flags)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert f"loss {layout}" in out, out
+    assert len(_pretrain_rows(out)) == 2, out
+    assert "pretrain_gpt_cp: PASSED" in out
+
+
+@pytest.mark.parametrize(
+    "script,flag",
+    [
+        ("cp_probe", "--cp-sizes"),
+        ("train_gpt_cp", "--plot"),
+        ("pretrain_gpt_cp", "--context-parallel-size"),
+    ],
+)
 def test_examples_document_their_options(script, flag, capsys, monkeypatch):
     monkeypatch.syspath_prepend(EXAMPLES)
     module = __import__(script)
