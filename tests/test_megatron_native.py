@@ -109,18 +109,23 @@ def _batch(case: Case, replica: int, micro: int):
 # The reference: megatron-core's own model, one device, one packed sequence at a time.
 
 
-def _nll(model, ids, labels, cu):
-    """(sum of -log p(label) over the labelled positions, their count) on the whole model."""
+def _target_logprobs(model, ids, labels, cu):
+    """fp32 ``[S]``: log p(label) at every position (0.0 where the label is -100)."""
     cuts = cu if cu is not None else (0, ids.numel())
-    total = 0.0
+    pieces = []
     for a, b in zip(cuts[:-1], cuts[1:]):
         n = b - a
         causal = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
         logits = model(ids[None, a:b], torch.arange(n)[None], causal)  # [1, n, V]
         logprobs = torch.log_softmax(logits[0].float(), dim=-1)
         target = logprobs.gather(1, labels[a:b].clamp(min=0)[:, None])[:, 0]
-        total = total - torch.where(labels[a:b] == -100, 0.0, target).sum()
-    return total, int((labels != -100).sum())
+        pieces.append(torch.where(labels[a:b] == -100, 0.0, target))
+    return torch.cat(pieces)
+
+
+def _nll(model, ids, labels, cu):
+    """(sum of -log p(label) over the labelled positions, their count) on the whole model."""
+    return -_target_logprobs(model, ids, labels, cu).sum(), int((labels != -100).sum())
 
 
 def _reference(case: Case, dp: int):
@@ -338,12 +343,49 @@ PP_CASES = [
 ]
 
 
+def _stage_forward(rank, world_size):
+    """``context_parallel_forward`` on PP 2 x CP 2 stages by hand: hidden rows from the first
+    stage (sent on by p2p), a ForwardOutput from the last one, given no input ids."""
+    from megatron.core import parallel_state as ps
+
+    from megatron.context_parallel.model import context_parallel_forward
+
+    case = Case("stages", pp=2, plan="uneven")
+    ids, labels, cu, plan = _batch(case, 0, 0)
+    mc.init_parallel(1, 1)
+    whole = mc.build_tiny_gpt(reference=True)
+    expected = _target_logprobs(whole, ids, labels, cu).detach()
+    state = {n: p.detach().clone() for n, p in whole.named_parameters()}
+    mc.init_parallel(1, 2, 2)
+    stage = mc.build_tiny_gpt()
+    mc.load_stage(stage, state)
+    group = ps.get_pipeline_model_parallel_group()
+    peer = ps.get_pipeline_model_parallel_next_rank()
+    rows = plan.counts[ps.get_context_parallel_rank()] or 1  # an empty rank runs one padding row
+    kwargs = dict(cu_seqlens=cu, plan=plan, fields="target_logprobs")
+    if ps.is_pipeline_first_stage():
+        hidden = context_parallel_forward(stage, ids, labels, **kwargs)
+        assert isinstance(hidden, torch.Tensor) and hidden.shape == (rows, 1, 64), hidden.shape
+        torch.distributed.send(hidden.detach().contiguous(), peer, group=group)
+        return 0.0
+    received = torch.empty(rows, 1, mc.TINY["hidden_size"])
+    torch.distributed.recv(received, ps.get_pipeline_model_parallel_prev_rank(), group=group)
+    stage.set_input_tensor(received)
+    out = context_parallel_forward(stage, None, labels, **kwargs)
+    return _relative(out.target_logprobs, expected)
+
+
 def test_dp2_cp2_ddp_optimizers_and_pp2_cp2_pipelines():
     """DP 2 x CP 2 with megatron's optimizer (distributed or not), then PP 2 x CP 2 with and
     without virtual stages, tied and untied embeddings, even and uneven plans."""
     cases = DP_CASES + PP_CASES
     per_rank = run_distributed(_cases_worker, 4, cases, timeout=600)
     _check(per_rank, [c.name for c in cases])
+
+
+def test_context_parallel_forward_runs_pipeline_stages():
+    for error in run_distributed(_stage_forward, 4):
+        assert error <= RTOL, error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,3 +473,73 @@ def test_pipeline_seq_length_only_for_equal_shards(plan, expected):
         padding_rows=0,
     )
     assert batch.pipeline_seq_length == expected
+
+
+def _hand_built_params(rank, world_size):
+    """``GPTModel.forward`` given ``ContextParallelParams.for_plan`` directly (no batch helper):
+    the attention modules themselves refuse what they would get wrong."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.attention import SelfAttention
+
+    import megatron.context_parallel.attention as cp_attention
+
+    def forward(model, plan, rotary, cp_group):
+        ids = torch.randint(0, 128, (plan.seq_len,), generator=torch.Generator().manual_seed(3))
+        rotary = model.rotary_pos_emb if rotary else None
+        params = cp_attention.ContextParallelParams.for_plan(plan, cp_group, rotary=rotary)
+        local = ids.index_select(0, plan.local_positions(params.rank))
+        return model(local[None], params.position_ids[None], None, packed_seq_params=params)
+
+    def error(fn):
+        try:
+            fn()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    mc.init_parallel(1, 2)
+    cp = ps.get_context_parallel_group()
+    zigzag = ContextParallelPlan.zigzag(24, 2)
+    thd = ContextParallelPlan.thd((0, 8, 12, 24), 2)
+    ours = mc.build_tiny_gpt()
+    results = {
+        # Where megatron's table is exact, params without rows use it: the same numbers.
+        "zigzag_same": torch.equal(
+            forward(ours, zigzag, False, cp), forward(ours, zigzag, True, cp)
+        ),
+        "thd_without_rows": error(lambda: forward(ours, thd, False, cp)),
+    }
+    original = cp_attention.ContextParallelSelfAttention
+    cp_attention.ContextParallelSelfAttention = SelfAttention
+    try:
+        megatron_rotary = mc.build_tiny_gpt()
+    finally:
+        cp_attention.ContextParallelSelfAttention = original
+    results["megatron_self_attention"] = error(lambda: forward(megatron_rotary, thd, True, cp))
+
+    mc.init_parallel(1, 1)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.module = cp_attention.ContextParallelSelfAttention
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    torch.manual_seed(0)
+    config = mc.build_tiny_gpt(reference=True).config
+    other_core = GPTModel(config, spec, 128, 128, position_embedding_type="rope")
+    one = ContextParallelPlan.contiguous(24, 1)
+    results["other_core"] = error(lambda: forward(other_core, one, True, None))
+    return results
+
+
+def test_attention_modules_refuse_what_they_would_get_wrong():
+    per_rank = run_distributed(_hand_built_params, 2)
+    assert per_rank[0] == per_rank[1]
+    results = per_rank[0]
+    assert results["zigzag_same"] is True
+    assert "carry no rotary rows" in results["thd_without_rows"]
+    assert "ContextParallelPlan(cp_size=2, seq_len=24" in results["thd_without_rows"]
+    message = results["megatron_self_attention"]
+    assert message.startswith("ContextParallelAttention (layer 1)"), message
+    assert "zigzag" in message and "ContextParallelPlan(cp_size=2" in message, message
+    message = results["other_core"]
+    assert "need ContextParallelAttention" in message and "DotProductAttention" in message

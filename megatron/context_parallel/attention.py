@@ -107,9 +107,10 @@ class ContextParallelParams(PackedSeqParams):
 
     Build it with ``for_plan``. ``qkv_format`` stays ``"sbhd"`` so megatron-core keeps the
     local rows in ``[s, b, ...]`` layout; the packing is described by the plan's (or the given)
-    ``cu_seqlens``. ``max_seqlen_q`` / ``max_seqlen_kv`` are the longest packed sequence rounded
-    up to a multiple of ``2 * cp_size``: ``GPTModel`` sizes (and zigzag-slices) its own rotary
-    table from them, a table ``ContextParallelSelfAttention`` then replaces.
+    ``cu_seqlens``. ``max_seqlen_q`` / ``max_seqlen_kv`` are ``rotary_table_length(seq_len,
+    cp_size)`` (the batch rounded up to a multiple of ``2 * cp_size``): ``GPTModel`` sizes (and
+    zigzag-slices) its own rotary table from them, a table ``ContextParallelSelfAttention`` then
+    replaces.
 
     Attributes:
         plan: the batch's ``ContextParallelPlan`` (same on every CP rank).
@@ -219,8 +220,7 @@ class ContextParallelParams(PackedSeqParams):
         queries = plan.local_positions(rank)
         slots = plan.slot_positions("cpu")
         key_sequence = torch.where(slots >= 0, sequence[slots.clamp(min=0)], -1)
-        lengths = plan.sequence_lengths if cu is None else [b - a for a, b in zip(cu, cu[1:])]
-        table = rotary_table_length(lengths, plan.cp_size)
+        table = rotary_table_length(plan.seq_len, plan.cp_size)
         return cls(
             plan=plan,
             rank=rank,

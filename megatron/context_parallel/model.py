@@ -266,9 +266,7 @@ def _check_plan_for_backend(
                 "get_gpt_layer_with_context_parallel_spec()"
             )
     elif backend == _MEGATRON_ROTARY:
-        table_len = rotary_table_length(
-            plan.sequence_lengths if cu is None else _lengths(cu), plan.cp_size
-        )
+        table_len = rotary_table_length(plan.seq_len, plan.cp_size)
         if not megatron_rotary_is_exact(plan, positions(), table_len):
             raise ValueError(
                 f"{module}: megatron-core's SelfAttention applies GPTModel's own rotary table, "

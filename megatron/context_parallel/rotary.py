@@ -17,7 +17,7 @@ Host-side helpers only; no communication.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -80,17 +80,18 @@ def rotary_at_positions(rope, positions: Tensor) -> Tensor:
     return emb[:, None, None, :]
 
 
-def rotary_table_length(sequence_lengths: Sequence[int], cp_size: int) -> int:
-    """A table length megatron-core can slice for ``cp_size`` ranks: the longest sequence,
-    rounded up to a multiple of ``2 * cp_size`` (at least that multiple).
+def rotary_table_length(seq_len: int, cp_size: int) -> int:
+    """The rotary table length to give megatron-core for a packed batch of ``seq_len`` tokens:
+    ``seq_len`` rounded up to a multiple of ``2 * cp_size`` (at least that multiple).
 
     ``GPTModel`` sizes its rotary table from ``packed_seq_params.max_seqlen_q / kv`` and cuts it
-    into ``2 * cp_size`` chunks, so any other length fails inside megatron-core before the
-    layers run.
+    into ``2 * cp_size`` chunks, so any other multiple fails inside megatron-core before the
+    layers run. The whole batch's length (not its longest sequence) makes the table's slice as
+    long as each rank's rows whenever the plan's shards are equal, so a layer that applies it
+    reaches the package's checks instead of a shape error.
     """
     step = 2 * cp_size
-    longest = max([int(n) for n in sequence_lengths] + [1])
-    return -(-longest // step) * step
+    return max(-(-int(seq_len) // step), 1) * step
 
 
 def megatron_table_positions(table_len: int, cp_size: int, rank: int) -> Optional[Tensor]:
