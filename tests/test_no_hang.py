@@ -75,14 +75,14 @@ def _my_single_group(rank: int, world: int):
     return _SINGLE[world]
 
 
-def _call(kind: str, rank: int, world: int, plan: ContextParallelPlan, bad: bool):
-    """Makes the call of ``kind``, with this rank's input bad or good."""
+def _call(kind: str, rank: int, world: int, plan: ContextParallelPlan, bad: bool, device: str):
+    """Makes the call of ``kind`` on ``device`` tensors, with this rank's input bad or good."""
     group = dist.group.WORLD
-    full = _full(0)
+    full = _full(0).to(device)
     local = full[plan.local_positions(rank)]
     what = KINDS[kind][0]
     if what == "gather":
-        fields = {"a": local, "b": _full(1, (), torch.int64)[plan.local_positions(rank)]}
+        fields = {"a": local, "b": _full(1, (), torch.int64).to(device)[plan.local_positions(rank)]}
         seq_dim = 0
         if bad:
             if kind == "rows":
@@ -117,8 +117,8 @@ def _call(kind: str, rank: int, world: int, plan: ContextParallelPlan, bad: bool
     if what == "scatter":
         return scatter_to_context_parallel_region(full[:-1] if bad else full, plan, group)
     g = torch.Generator().manual_seed(3)
-    weight = torch.randn(V, H, generator=g)
-    labels = torch.randint(0, V, (10,), generator=g)
+    weight = torch.randn(V, H, generator=g).to(device)
+    labels = torch.randint(0, V, (10,), generator=g).to(device)
     options = dict(fields=("target_logprobs", "top_k"), top_k=3)
     hidden = local
     if bad:
@@ -141,18 +141,18 @@ def _call(kind: str, rank: int, world: int, plan: ContextParallelPlan, bad: bool
     )
 
 
-def _w_case(rank, world, kind, who, later):
+def _w_case(rank, world, kind, who, later, device):
     plan = _plan(world)
     bad_ranks = {"first": {0}, "last": {world - 1}, "all": set(range(world))}[who]
     if later:
-        _call(kind, rank, world, plan, bad=False)
+        _call(kind, rank, world, plan, False, device)
     error = None
     try:
-        _call(kind, rank, world, plan, bad=rank in bad_ranks)
+        _call(kind, rank, world, plan, rank in bad_ranks, device)
     except ValueError as exc:
         error = (type(exc).__name__, str(exc))
     # Still in step: a good gather right after returns every row on every rank.
-    full = _full(5)
+    full = _full(5).to(device)
     out = gather_from_context_parallel_region(
         full[plan.local_positions(rank)], plan, dist.group.WORLD
     )
@@ -175,14 +175,19 @@ def pools():
         pool.close()
 
 
+# CUDA tensors over gloo (ranks share one GPU) where there is one: the GPU machine runs both.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_bad_input_raises_on_every_rank(pools, world, kind):
+def test_bad_input_raises_on_every_rank(pools, world, kind, device):
     pattern = KINDS[kind][1]
     for who in WHO:
         for later in (False, True):
-            errors = pools(world).run(_w_case, kind, who, later)
-            case = (kind, who, "later" if later else "first", world)
+            errors = pools(world).run(_w_case, kind, who, later, device)
+            case = (kind, who, "later" if later else "first", world, device)
             for rank, error in enumerate(errors):
                 assert error is not None, f"rank {rank} did not raise: {case}"
                 assert error[0] in ("InputError", "InputTypeError"), (case, rank, error)

@@ -164,6 +164,11 @@ def exchange(values: Sequence[int], group) -> List[Tuple[int, ...]]:
     device = collective_device(group)
     if _capturing(device):
         return [tuple(mine)] * size
+    return _all_gather_ints(mine, group, size, device)
+
+
+def _all_gather_ints(mine: List[int], group, size: int, device) -> List[Tuple[int, ...]]:
+    """The exchange's own work: int64 to ``device``, all-gather, read back on the host."""
     send = torch.tensor(mine, dtype=torch.int64).to(device)
     recv = torch.empty(size * len(mine), dtype=torch.int64, device=device)
     all_gather_into(recv, send, group)
