@@ -5,11 +5,13 @@ source order on every rank. Each is run on every rank of the CP group and checke
 (``torch.equal``) both to ours and to the full tensors the shards were cut from, before anything
 is timed.
 
-* ``floor``: one ``all_gather_into_tensor`` of the padded payload (every field of a row packed
-  as bytes, ``cp * max_count`` rows), both buffers allocated beforehand. Communication only:
+* ``floor``: one all-gather (``groups.all_gather_into``, the primitive ours uses) of the padded
+  payload (every field of a row packed as bytes, ``cp * max_count`` rows), both buffers
+  allocated beforehand. Communication only:
   nothing is put in source order, so no source-order gather can beat it.
-* ``ours``: ``megatron.context_parallel.mappings.gather_from_context_parallel_region``: one
-  collective for all fields, then one row scatter into source order.
+* ``ours``: ``megatron.context_parallel.mappings.gather_from_context_parallel_region``: the
+  small exchange of every rank's verdict on its input, one data collective for all fields, then
+  one row scatter into source order.
 * ``(a) zero+index_copy+all_reduce``: mimics OpenPipe/ART pull request #912 ("Return full
   source-order context-parallel trainer outputs", ``src/art/megatron/trainer_rank.py``): per
   output field and per packed sequence, a zeroed full-length tensor, this rank's rows written at
@@ -83,6 +85,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
+from megatron.context_parallel.groups import all_gather_into
 from megatron.context_parallel.mappings import gather_from_context_parallel_region
 from megatron.context_parallel.plan import ContextParallelPlan
 
@@ -94,7 +97,7 @@ SWEEP_DIVISORS = (64, 16, 4)
 
 APPROACHES = ("floor", "ours", "a_allreduce", "b_index_select", "c_unzigzag")
 LABELS = {
-    "floor": "floor (1 all_gather_into_tensor)",
+    "floor": "floor (1 all-gather)",
     "ours": "ours",
     "a_allreduce": "(a) zero+index_copy+all_reduce",
     "b_index_select": "(b) all_gather+cat+index_select",
@@ -112,7 +115,6 @@ Field = Tuple[str, Tuple[int, ...], torch.dtype]
 
 # Megatron-LM's RL code still calls it; (b) keeps the call it mimics, without the noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is")
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +252,7 @@ class Setup:
 
 
 def run_floor(s: Setup):
-    dist.all_gather_into_tensor(s.recv, s.send, group=s.group)
+    all_gather_into(s.recv, s.send, s.group)
     return None
 
 
@@ -436,7 +438,7 @@ def _max_over_ranks(values: Sequence[float], group, device: torch.device) -> Lis
     everyone = torch.empty(
         dist.get_world_size(group) * mine.numel(), dtype=torch.float64, device=device
     )
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    all_gather_into(everyone, mine, group)
     return everyone.view(dist.get_world_size(group), -1).max(dim=0).values.tolist()
 
 

@@ -28,7 +28,7 @@ from megatron.context_parallel.head import (
     make_output_processor,
 )
 from megatron.context_parallel.plan import ContextParallelPlan
-from tests._dist import run_distributed
+from tests._dist import DistributedPool
 
 S, H, V = 40, 16, 48
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -180,41 +180,63 @@ def _probe(out: ForwardOutput, case: dict) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Distributed workers (module level: forked by tests/_dist.py).
+# Distributed cases: one 4-rank pool, one named case per test. Each case runs on every rank and
+# asserts; its groups come from one set built the same way on every rank.
+
+_GROUPS: dict = {}
 
 
-def _grid_worker(rank, world_size):
-    assert world_size == 4
-    done = []
-    world = dist.new_group([0, 1, 2, 3])
-    singles = [dist.new_group([r]) for r in range(4)]
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    triple = dist.new_group([0, 1, 2])
-    tp2 = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # tp_rank = rank % 2
-    cp2 = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # cp_rank = rank // 2
-    me = singles[rank]
+def _groups(rank: int) -> dict:
+    """This process's groups (built once per pool worker, in the same order on every rank)."""
+    if not _GROUPS:
+        world = dist.new_group([0, 1, 2, 3])
+        singles = [dist.new_group([r]) for r in range(4)]
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        triple = dist.new_group([0, 1, 2])
+        cp2 = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        _GROUPS.update(
+            world=world,
+            me=singles[rank],
+            pair=pairs[rank // 2],  # CP 2 on ranks {0, 1} and {2, 3}, TP 1
+            triple=triple if rank < 3 else None,
+            tp2=pairs[rank // 2],  # TP 2 x CP 2: tp_rank = rank % 2 ...
+            cp2=cp2[rank % 2],  # ... cp_rank = rank // 2
+        )
+    return _GROUPS
+
+
+def _perm() -> torch.Tensor:
+    return torch.randperm(S, generator=torch.Generator().manual_seed(7))
+
+
+def _uneven_cp4() -> ContextParallelPlan:
+    perm = _perm()
+    return ContextParallelPlan.from_rank_positions([perm[:7], perm[7:7], perm[7:19], perm[19:]], S)
+
+
+def _case_cp1_probe(rank, world_size):
+    g = _groups(rank)
     case = _make_case(1)
-    g = torch.Generator().manual_seed(7)
-    perm = torch.randperm(S, generator=g)
+    out = _check_config("tp1xcp1", ContextParallelPlan.contiguous(S, 1), g["me"], g["me"], case, 5)
+    assert torch.equal(_probe(out, case), case["hidden"][1:][case["labels"][1:] != -100])
 
-    # CP 1: the reference behaviour of the probe.
-    plan1 = ContextParallelPlan.contiguous(S, 1)
-    out1 = _check_config("tp1xcp1", plan1, me, me, case, 5)
-    probe1 = _probe(out1, case)
-    assert torch.equal(probe1, case["hidden"][1:][case["labels"][1:] != -100])
-    done.append("cp1")
 
-    # TP1 x CP4: uneven random plan with an empty rank; megatron's [s, 1, h] layout.
-    plan4 = ContextParallelPlan.from_rank_positions([perm[:7], perm[7:7], perm[7:19], perm[19:]], S)
-    out4 = _check_config("tp1xcp4", plan4, world, me, case, 5, sbh=True)
-    assert torch.equal(_probe(out4, case), probe1)
-    assert len(out4.sequences()) == 1 and out4.sequences()[0] is out4
-    done.append("cp4-uneven")
+def _case_cp4_uneven_empty_rank(rank, world_size):
+    g = _groups(rank)
+    case = _make_case(1)
+    plan = _uneven_cp4()
+    out = _check_config("tp1xcp4", plan, g["world"], g["me"], case, 5, sbh=True)
+    assert torch.equal(_probe(out, case), case["hidden"][1:][case["labels"][1:] != -100])
+    assert len(out.sequences()) == 1 and out.sequences()[0] is out
 
-    # TP1 x CP4, zigzag-packed sequences: per-sequence views, chunk larger than the rows.
-    plan_thd = ContextParallelPlan.thd([0, 16, 24, 40], 4)
-    out = _check_config("tp1xcp4-thd", plan_thd, world, me, case, 4, chunk_size=512)
-    ref, _ = _reference(case, plan_thd.owned_mask(), 4)
+
+def _case_cp4_thd_sequences(rank, world_size):
+    g = _groups(rank)
+    case = _make_case(1)
+    plan = ContextParallelPlan.thd([0, 16, 24, 40], 4)
+    # A chunk larger than the rows.
+    out = _check_config("tp1xcp4-thd", plan, g["world"], g["me"], case, 4, chunk_size=512)
+    ref, _ = _reference(case, plan.owned_mask(), 4)
     pieces = out.sequences()
     assert [p.hidden_states.shape[0] for p in pieces] == [16, 8, 16]
     for piece, a, b in zip(pieces, (0, 16, 24), (16, 24, 40), strict=True):
@@ -223,123 +245,128 @@ def _grid_worker(rank, world_size):
         assert torch.equal(piece.top_k.tokens, ref.top_k.tokens[a:b])
         torch.testing.assert_close(piece.target_logprobs, ref.target_logprobs[a:b], **TOL)
         torch.testing.assert_close(piece.top_k.logprobs, ref.top_k.logprobs[a:b], **TOL)
-    done.append("cp4-thd")
 
-    # TP1 x CP4, context_parallel_output_grad=True: each rank's loss covers a quarter.
-    h_local = case["hidden"][plan4.local_positions(rank)].clone().requires_grad_(True)
+
+def _case_cp4_output_grad(rank, world_size):
+    """context_parallel_output_grad=True: each rank's loss covers a quarter of the positions."""
+    g = _groups(rank)
+    case = _make_case(1)
+    plan = _uneven_cp4()
+    h_local = case["hidden"][plan.local_positions(rank)].clone().requires_grad_(True)
     w_local = case["weight"].clone().requires_grad_(True)
     out = compute_forward_output(
         h_local,
         w_local,
-        plan4,
+        plan,
         labels=case["labels"],
         fields=("target_logprobs",),
-        cp_group=world,
-        tp_group=me,
+        cp_group=g["world"],
+        tp_group=g["me"],
         chunk_size=4,
         context_parallel_output_grad=True,
     )
     part = (torch.arange(S) % 4 == rank).float()
     (out.target_logprobs * case["c_target"] * part).sum().backward()
-    _, ref_grads = _reference(case, plan4.owned_mask(), 5)
+    _, ref_grads = _reference(case, plan.owned_mask(), 5)
     gw = w_local.grad.clone()
-    dist.all_reduce(gw, group=world)
+    dist.all_reduce(gw, group=g["world"])
     torch.testing.assert_close(
-        h_local.grad, ref_grads["target"][0][plan4.local_positions(rank)], **TOL
+        h_local.grad, ref_grads["target"][0][plan.local_positions(rank)], **TOL
     )
     torch.testing.assert_close(gw, ref_grads["target"][1], **TOL)
-    done.append("cp4-output-grad")
 
-    # TP1 x CP2 (both pairs at once): positions 5 and 30 owned by nobody -> zero rows.
+
+def _case_cp2_unowned_positions(rank, world_size):
+    """Positions 5 and 30 owned by nobody come out as zero rows; a full plan equals CP 1."""
+    g = _groups(rank)
+    case = _make_case(1)
+    perm = _perm()
     kept = [int(p) for p in perm if int(p) not in (5, 30)]
-    plan2 = ContextParallelPlan.from_rank_positions([kept[:25], kept[25:]], S)
-    out2 = _check_config("tp1xcp2", plan2, pairs[rank // 2], me, case, 5)
-    owned = plan2.owned_mask()
-    assert not owned[5] and not owned[30]
-    assert torch.equal(out2.hidden_states[5], torch.zeros(H))
-    # The probe at CP 2 equals CP 1 on the positions CP 2 covers; a full plan equals exactly.
-    plan2_full = ContextParallelPlan.from_rank_positions([perm[:13], perm[13:]], S)
-    out2_full = _check_config("tp1xcp2-full", plan2_full, pairs[rank // 2], me, case, 5)
-    assert torch.equal(_probe(out2_full, case), probe1)
-    done.append("cp2")
+    plan = ContextParallelPlan.from_rank_positions([kept[:25], kept[25:]], S)
+    out = _check_config("tp1xcp2", plan, g["pair"], g["me"], case, 5)
+    assert not plan.owned_mask()[5] and not plan.owned_mask()[30]
+    assert torch.equal(out.hidden_states[5], torch.zeros(H))
+    full = ContextParallelPlan.from_rank_positions([perm[:13], perm[13:]], S)
+    out = _check_config("tp1xcp2-full", full, g["pair"], g["me"], case, 5)
+    assert torch.equal(_probe(out, case), case["hidden"][1:][case["labels"][1:] != -100])
 
-    # TP1 x CP3 on ranks 0-2, the middle rank empty.
+
+def _case_cp3_middle_rank_empty(rank, world_size):
+    g = _groups(rank)
     if rank < 3:
-        plan3 = ContextParallelPlan.from_rank_positions([perm[:22], [], perm[22:]], S)
-        _check_config("tp1xcp3", plan3, triple, me, case, 5)
-        done.append("cp3")
+        perm = _perm()
+        plan = ContextParallelPlan.from_rank_positions([perm[:22], [], perm[22:]], S)
+        _check_config("tp1xcp3", plan, g["triple"], g["me"], _make_case(1), 5)
 
-    # TP2 x CP2: k below and above the vocab shard; then sequence parallel (even counts).
-    tp_group, cp_group = tp2[rank // 2], cp2[rank % 2]
-    plan22 = ContextParallelPlan.from_rank_positions([perm[:11], perm[11:]], S)
-    _check_config("tp2xcp2", plan22, cp_group, tp_group, case, 5)
-    _check_config("tp2xcp2-k>V/TP", plan22, cp_group, tp_group, case, V // 2 + 3, chunk_size=4)
-    plan22e = ContextParallelPlan.from_rank_positions([perm[:14], perm[14:]], S)
+
+def _case_tp2_cp2(rank, world_size, k, sequence_parallel, empty):
+    """TP 2 x CP 2; k below or above the vocab shard; SP; an empty CP rank."""
+    g = _groups(rank)
+    perm = _perm()
+    if empty:
+        plan = ContextParallelPlan.from_rank_positions([perm, []], S)
+    else:
+        # Even counts, so sequence parallelism can split them over TP.
+        plan = ContextParallelPlan.from_rank_positions([perm[:14], perm[14:]], S)
     _check_config(
-        "tp2xcp2-sp", plan22e, cp_group, tp_group, case, 5, sequence_parallel=True, sbh=True
+        f"tp2xcp2-k{k}-sp{sequence_parallel}-empty{empty}",
+        plan,
+        g["cp2"],
+        g["tp2"],
+        _make_case(1),
+        k,
+        sequence_parallel=sequence_parallel,
+        sbh=sequence_parallel,
+        chunk_size=4,
     )
-    # An empty CP rank under TP2 + sequence parallelism (no rows to gather or chunk).
-    plan_empty = ContextParallelPlan.from_rank_positions([perm, []], S)
-    _check_config("tp2xcp2-empty", plan_empty, cp_group, tp_group, case, 5, sequence_parallel=True)
-    done.append("tp2xcp2")
 
-    # Rank-local logits: megatron's own [n_r, V/TP] shard, no copy.
+
+def _case_local_logits(rank, world_size):
+    """gather_logits=False: megatron's own [n_r, V/TP] shard, no copy."""
+    g = _groups(rank)
+    case = _make_case(1)
+    perm = _perm()
+    plan = ContextParallelPlan.from_rank_positions([perm[:11], perm[11:]], S)
     tp_rank = rank % 2
-    h_local = case["hidden"][plan22.local_positions(rank // 2)]
+    h_local = case["hidden"][plan.local_positions(rank // 2)]
     w_local = case["weight"][tp_rank * (V // 2) : (tp_rank + 1) * (V // 2)]
     out = compute_forward_output(
         h_local,
         w_local,
-        plan22,
+        plan,
         fields=("logits", "hidden_states"),
-        cp_group=cp_group,
-        tp_group=tp_group,
+        cp_group=g["cp2"],
+        tp_group=g["tp2"],
         gather_logits=False,
     )
-    assert out.logits_are_local and out.plan is plan22
+    assert out.logits_are_local and out.plan is plan
     assert torch.equal(out.logits, h_local @ w_local.t())
     assert torch.equal(out.hidden_states, case["hidden"])
     with pytest.raises(ValueError, match="rank-local"):
         out.sequences()
-    done.append("local-logits")
-
-    done += _bad_input_checks(rank, case, perm, world, me)
-    return done
 
 
-def _bad_input_checks(rank, case, perm, world, me):
-    """Each bad input raises ValueError naming the numbers, on every rank of the CP group."""
-    plan = ContextParallelPlan.from_rank_positions([perm[:7], perm[7:7], perm[7:19], perm[19:]], S)
+def _case_bad_rows_on_one_rank(rank, world_size):
+    """Rank 2 alone passes a row short, on a plan already used: every rank raises, in step."""
+    g = _groups(rank)
+    case = _make_case(1)
+    plan = _uneven_cp4()
     h_local = case["hidden"][plan.local_positions(rank)]
-    kw = dict(cp_group=world, tp_group=me)
-    with pytest.raises(ValueError, match=rf"\[{S}\].*\({S - 1},\)"):
-        compute_forward_output(
-            h_local,
-            case["weight"],
-            plan,
-            labels=case["labels"][:-1],
-            fields=("target_logprobs",),
-            **kw,
-        )
-    with pytest.raises(ValueError, match=rf"\[1, {V}\].*got {V + 1}"):
-        compute_forward_output(h_local, case["weight"], plan, fields=("top_k",), top_k=V + 1, **kw)
-    with pytest.raises(ValueError, match="'logprobs'"):
-        compute_forward_output(h_local, case["weight"], plan, fields=("logprobs",), **kw)
-    # Only rank 2 passes a wrong row count; a plan new to the group makes every rank raise.
-    fresh = ContextParallelPlan.from_rank_positions([perm[:7], perm[7:7], perm[7:19], perm[19:]], S)
+    kw = dict(cp_group=g["world"], tp_group=g["me"])
+    compute_forward_output(h_local, case["weight"], plan, **kw)
     rows = h_local[:-1] if rank == 2 else h_local
-    # Rank 2 names its own rows; the others name rank 2's.
-    with pytest.raises(ValueError, match=r"(?=.*rank 2)(?=.*\b11\b)(?=.*\b12\b)"):
+    with pytest.raises(
+        ValueError, match=r"rank 2: CP rank 2 has 11 hidden rows but the plan gives it 12"
+    ):
         compute_forward_output(
-            rows, case["weight"], fresh, fields=FIELDS, top_k=3, labels=case["labels"], **kw
+            rows, case["weight"], plan, fields=FIELDS, top_k=3, labels=case["labels"], **kw
         )
     # The group is still in step afterwards.
-    out = compute_forward_output(h_local, case["weight"], fresh, fields=("hidden_states",), **kw)
+    out = compute_forward_output(h_local, case["weight"], plan, fields=("hidden_states",), **kw)
     assert torch.equal(out.hidden_states, case["hidden"])
-    return ["bad-input"]
 
 
-def _parallel_state_worker(rank, world_size):
+def _case_parallel_state(rank, world_size):
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
@@ -397,7 +424,6 @@ def _parallel_state_worker(rank, world_size):
         # What the layer's own forward computes (it needs CUDA, so spelled out): the
         # SP-gathered rows times this rank's vocab shard.
         assert torch.equal(local.logits, case["hidden"][positions] @ layer.weight.t())
-        return (tp_rank, cp_rank)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -406,29 +432,67 @@ def _parallel_state_worker(rank, world_size):
 # Tests.
 
 
-def test_tp_cp_grids_match_single_device():
-    results = run_distributed(_grid_worker, 4)
-    common = [
-        "cp1",
-        "cp4-uneven",
-        "cp4-thd",
-        "cp4-output-grad",
-        "cp2",
-        "tp2xcp2",
-        "local-logits",
-        "bad-input",
-    ]
-    for rank, done in enumerate(results):
-        want = common[:5] + (["cp3"] if rank < 3 else []) + common[5:]
-        assert done == want, (rank, done)
-
-
-def test_groups_default_to_megatron_parallel_state():
-    # Imported here, before the fork, so the four workers inherit it instead of importing it.
+@pytest.fixture(scope="module")
+def pool():
+    # Imported before the fork, so the four workers inherit it instead of importing it.
     from megatron.core import parallel_state  # noqa: F401
 
-    results = run_distributed(_parallel_state_worker, 4)
-    assert sorted(results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ranks = DistributedPool(4)
+    yield ranks
+    ranks.close()
+
+
+def test_tp1_cp1_probe(pool):
+    pool.run(_case_cp1_probe)
+
+
+def test_tp1_cp4_uneven_plan_with_an_empty_rank(pool):
+    pool.run(_case_cp4_uneven_empty_rank)
+
+
+def test_tp1_cp4_thd_packed_sequences(pool):
+    pool.run(_case_cp4_thd_sequences)
+
+
+def test_tp1_cp4_output_grad_sums_over_cp(pool):
+    pool.run(_case_cp4_output_grad)
+
+
+def test_tp1_cp2_unowned_positions_are_zero(pool):
+    pool.run(_case_cp2_unowned_positions)
+
+
+def test_tp1_cp3_middle_rank_empty(pool):
+    pool.run(_case_cp3_middle_rank_empty)
+
+
+@pytest.mark.parametrize(
+    "k,sequence_parallel,empty",
+    [
+        (5, False, False),
+        (V // 2 + 3, False, False),  # k above the vocab shard V/TP
+        (5, True, False),
+        (5, True, True),
+        # The empty CP rank with k > V/TP: its TP all-gather of the top-k statistics must run
+        # like everyone else's, or its combine sees one shard's candidates only.
+        (V // 2 + 3, False, True),
+        (V // 2 + 3, True, True),
+    ],
+)
+def test_tp2_cp2(pool, k, sequence_parallel, empty):
+    pool.run(_case_tp2_cp2, k, sequence_parallel, empty)
+
+
+def test_tp2_cp2_rank_local_logits(pool):
+    pool.run(_case_local_logits)
+
+
+def test_bad_rows_on_one_rank_raise_on_every_rank(pool):
+    pool.run(_case_bad_rows_on_one_rank)
+
+
+def test_groups_default_to_megatron_parallel_state(pool):
+    pool.run(_case_parallel_state)
 
 
 def test_single_rank_without_distributed_and_sequences_unpacked():
@@ -464,7 +528,9 @@ def test_bfloat16_model_dtype():
         top_k=3,
         chunk_size=8,
     )
-    logp = torch.log_softmax((h @ w.t()).float(), dim=-1)
+    # Target log-probs and top-k come from fp32 logits of the bf16 inputs (fp32 accumulation),
+    # not from the bf16-rounded logits megatron's output layer would return.
+    logp = torch.log_softmax(h.float() @ w.float().t(), dim=-1)
     want = logp.gather(1, case["labels"].clamp(min=0)[:, None]).squeeze(1)
     want = torch.where(case["labels"] == -100, 0.0, want)
     assert out.hidden_states.dtype == torch.bfloat16 and out.target_logprobs.dtype == torch.float32
@@ -583,13 +649,16 @@ def test_chunked_memory_is_bounded_by_chunk_not_sequence():
     torch.set_num_threads(1)
     try:
         for n_rows in (1024, 4096):
-            # Per-row bookkeeping (stats, lse, top-k, grads of [n, 8]) next to the chunks.
-            small = n_rows * (3 + 2 * 4 + 8 + 8) * 8 + vocab * 8 * 4 * 2
+            # Per-row bookkeeping next to the chunks: the shard statistics, their TP-gathered
+            # copy, lse, top-k values and ids (int64 and the int32 bits that travel), the
+            # outputs and grads of [n, 8]; twice the bytes of one copy of each.
+            small = n_rows * (3 + 2 * 4 + 8 + 8) * 16 + vocab * 8 * 4 * 2
             fwd, bwd = _peaks(n_rows, vocab, chunk)
             assert fwd <= 2 * chunk_bytes + small, (n_rows, fwd)
             assert bwd <= 2 * chunk_bytes + small, (n_rows, bwd)
-        # The meter does see a whole [S, V] logits tensor when one chunk holds every row.
-        fwd, bwd = _peaks(1024, vocab, 1024)
+        # The meter does see a whole [S, V] logits tensor when one chunk holds every row (the
+        # forward's chunks) and every vocabulary column (the backward's).
+        fwd, bwd = _peaks(1024, vocab, vocab)
         assert fwd >= 1024 * vocab * 4 and bwd >= 1024 * vocab * 4
     finally:
         torch.set_num_threads(threads)

@@ -400,3 +400,50 @@ def test_bad_inputs_raise_on_every_rank_before_any_collective():
     expected = ["16 positions", "cp_size 1", "ends at 20", "23 positions", "25 positions"]
     for message, needle in zip(per_rank[0], expected):
         assert message is not None and needle in message, (message, needle)
+
+
+def _one_rank_bad(rank, world_size):
+    """Only the last rank's call is wrong: every rank raises (none waits in the model's
+    collectives), and a later good call still works."""
+    mc.init_parallel(1, world_size)
+    model = mc.build_tiny_gpt()
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(0))
+    labels = ids.roll(-1)
+    bad = rank == world_size - 1
+    good = dict(plan=ContextParallelPlan.zigzag(24, world_size), fields="target_logprobs")
+    calls = {
+        "labels": dict(good, labels=labels[:20] if bad else labels),
+        "plan": dict(good, plan=ContextParallelPlan.contiguous(24, world_size)) if bad else good,
+        "fields": dict(good, fields="hidden_states") if bad else good,
+        "plan_module": dict(good, plan=ContextParallelPlan.contiguous(24, 1)) if bad else good,
+    }
+    messages = {}
+    for name, kwargs in calls.items():
+        kwargs = dict(kwargs)
+        kwargs.setdefault("labels", labels)
+        try:
+            context_parallel_forward(model, ids, **kwargs)
+            messages[name] = None
+        except ValueError as exc:
+            messages[name] = str(exc)
+    out = context_parallel_forward(model, ids, labels, **good)
+    messages["later_good_call"] = tuple(out.target_logprobs.shape)
+    return messages
+
+
+def test_one_rank_bad_input_raises_on_every_rank():
+    per_rank = run_distributed(_one_rank_bad, 3, timeout=120)
+    last = len(per_rank) - 1
+    for rank, messages in enumerate(per_rank):
+        assert messages.pop("later_good_call") == (24,)
+        for name, message in messages.items():
+            assert message is not None, (rank, name)
+        # Calls whose difference only shows when ranks compare: the same error everywhere.
+        assert "different plans" in messages["plan"], messages
+        assert "different calls" in messages["fields"], messages
+        if rank == last:  # its own detailed message
+            assert "labels has 20 positions" in messages["labels"], messages
+            assert "cp_size 1" in messages["plan_module"], messages
+        else:  # the bad rank named
+            assert messages["labels"].startswith(f"rank {last}: input rejected"), messages
+            assert messages["plan_module"].startswith(f"rank {last}: "), messages

@@ -5,7 +5,9 @@ Public API:
     gather_from_context_parallel_region: CP shards -> full tensors in source order, every rank.
     scatter_to_context_parallel_region: full tensor -> this rank's rows (the inverse).
     reduce_over_data_parallel: all-reduce over the pure data-parallel group.
-    ForwardOutput, TopK, compute_forward_output, make_output_processor: the output head.
+    ForwardOutput, TopK, OutputOptions, compute_forward_output, make_output_processor: the
+        output head (OutputOptions: the output options every entry point shares).
+    InputError: the ValueError every rank of a call raises alike for any rank's bad input.
     context_parallel_batch, ContextParallelBatch: everything GPTModel.forward needs on this
         rank for a plan (local ids and positions, packed_seq_params, output_processor).
     context_parallel_forward, default_plan: a megatron-core GPTModel forward under CP.
@@ -19,10 +21,12 @@ The model-level names import megatron-core's transformer stack, so they load on 
 
 import importlib
 
+from megatron.context_parallel.errors import InputError
 from megatron.context_parallel.head import (
     FIELDS,
     IGNORE_INDEX,
     ForwardOutput,
+    OutputOptions,
     TopK,
     compute_forward_output,
     make_output_processor,
@@ -55,6 +59,8 @@ __all__ = [
     "FIELDS",
     "IGNORE_INDEX",
     "ForwardOutput",
+    "OutputOptions",
+    "InputError",
     "TopK",
     "compute_forward_output",
     "make_output_processor",

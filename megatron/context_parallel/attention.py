@@ -56,6 +56,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch import Tensor
 
+from megatron.context_parallel.mappings import gather_padded_from_context_parallel_region
 from megatron.context_parallel.plan import ContextParallelPlan
 from megatron.context_parallel.rotary import (
     check_rotary_module,
@@ -179,14 +180,8 @@ class ContextParallelParams(PackedSeqParams):
         """
         if not isinstance(plan, ContextParallelPlan):
             raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
-        if cp_group is not None:
-            rank, size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
-        else:
-            rank, size = 0, 1
-        if size != plan.cp_size:
-            raise ValueError(
-                f"the CP group has {size} ranks but the plan has cp_size {plan.cp_size}"
-            )
+        # None means one rank here, even inside a larger job (CP 1 of a DP x TP run).
+        rank = plan.rank_in(cp_group) if cp_group is not None else plan.rank_in_single()
         if cu_seqlens is None:
             cu = plan.cu_seqlens
         else:
@@ -270,35 +265,6 @@ class ContextParallelParams(PackedSeqParams):
                 mask = torch.cat([mask, mask.new_zeros(self.padding_rows, mask.shape[1])])
             self._masks[causal] = mask
         return mask
-
-
-class _AllGatherSlots(torch.autograd.Function):
-    """Forward: pad local rows to ``max_count`` and all-gather. Backward: reduce-scatter, unpad."""
-
-    @staticmethod
-    def forward(ctx, local, group, size, max_count):
-        ctx.group, ctx.size, ctx.rows = group, size, local.shape[0]
-        tail = tuple(local.shape[1:])
-        # Zero padding, not uninitialised memory: masked probabilities are exact zeros, but
-        # 0 * NaN in probs @ V would still poison a row.
-        send = local.new_zeros((max_count,) + tail)
-        send[: local.shape[0]] = local
-        if size == 1:
-            return send
-        out = local.new_empty((size * max_count,) + tail)
-        if out.numel() > 0:
-            dist.all_gather_into_tensor(out, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        if ctx.size == 1:
-            return grad[: ctx.rows], None, None, None
-        mine = grad.new_empty((grad.shape[0] // ctx.size,) + tuple(grad.shape[1:]))
-        if mine.numel() > 0:
-            dist.reduce_scatter_tensor(mine, grad, group=ctx.group)
-        return mine[: ctx.rows], None, None, None
 
 
 class ContextParallelAttention(MegatronModule):
@@ -423,12 +389,8 @@ class ContextParallelAttention(MegatronModule):
         elif isinstance(packed_seq_params, ContextParallelParams):
             params = packed_seq_params
             group = params.cp_group if params.cp_group is not None else self.cp_group
-            size = group.size() if group is not None else 1
             plan = params.plan
-            if size != plan.cp_size:
-                raise ValueError(
-                    f"the CP group has {size} ranks but the plan has cp_size {plan.cp_size}"
-                )
+            plan.rank_in(group)
             rows = plan.counts[params.rank] + params.padding_rows
             if query.shape[0] != rows:
                 raise ValueError(
@@ -448,7 +410,7 @@ class ContextParallelAttention(MegatronModule):
                 )
             # One collective for K and V: they share rows, heads and dtype.
             kv = torch.cat([key, value], dim=-1)
-            kv = _AllGatherSlots.apply(kv, group, size, plan.max_count)
+            kv = gather_padded_from_context_parallel_region(kv, plan.max_count, group)
             keys, values = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
             allowed = params.allowed(causal)[None, None]
         else:

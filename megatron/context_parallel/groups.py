@@ -1,27 +1,50 @@
-"""Process groups: resolution (explicit first, then megatron-core's defaults) and collectives.
+"""Process groups and every collective the package issues.
 
-Everything below the public wrappers takes its groups as arguments. Only the wrappers call
-these resolvers with ``group=None``, and only then is megatron-core imported. The two
-single-tensor collectives are reached through one place because torch renamed them
-(``all_gather_into_tensor`` -> ``all_gather_single`` in 2.13) while torch >= 2.6 is supported.
+Two kinds of collectives live here:
+
+* data collectives (``all_gather_into``, ``reduce_scatter_into``, ``all_reduce``) on tensors the
+  caller provides, which sit on the data's device;
+* bookkeeping: ``exchange`` all-gathers a few int64 per rank on the group's *collective device*
+  (CUDA for NCCL, CPU for gloo), chosen from the group's backend and never from the caller's
+  tensors, so a malformed call issues the same collective as a good one. ``agree`` builds on it:
+  every rank contributes its verdict on its own input (an ``errors.InputError`` or None) plus a
+  description of the call, and every rank raises the first bad rank's error, so no rank is left
+  waiting in a collective that a peer skipped.
+
+Group resolution: everything below the public wrappers takes its groups as arguments; only the
+wrappers call the ``resolve_*`` functions with ``group=None``, and only then is megatron-core
+imported.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from megatron.context_parallel import errors
 
 __all__ = [
     "resolve_context_parallel_group",
     "resolve_data_parallel_group",
     "resolve_tensor_parallel_group",
     "group_rank_and_size",
+    "global_rank",
     "collective_device",
-    "all_gather_single",
-    "reduce_scatter_single",
+    "all_gather_into",
+    "reduce_scatter_into",
+    "all_reduce",
+    "exchange",
+    "find_problem",
+    "agree",
+    "first_difference",
+    "raise_if_calls_differ",
 ]
+
+# Columns of every ``agree`` row before the caller's own description of the call.
+_CODE, _ORIGIN, _NUMBERS = 0, 1, slice(2, 6)
+_PREFIX = 6
 
 
 def _parallel_state():
@@ -82,27 +105,157 @@ def group_rank_and_size(group) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def collective_device(group, like: Optional[torch.Tensor] = None) -> torch.device:
-    """The device for small bookkeeping collectives on ``group``.
+def global_rank() -> int:
+    """This process's rank in the default group (0 outside a distributed job)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
-    A tensor's own device when given (data collectives go where the data is); otherwise CPU
-    for gloo and the current CUDA device for NCCL.
+
+def collective_device(group) -> torch.device:
+    """The device of bookkeeping collectives on ``group``: CPU for gloo, else the current GPU.
+
+    Decided by the group's backend alone. A group with both backends (``"cpu:gloo,cuda:nccl"``)
+    keeps its bookkeeping on the CPU.
     """
-    if like is not None:
-        return like.device
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend) and "gloo" not in str(backend):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    """``output[r * len(input) : (r + 1) * len(input)] = input`` of rank r, for every rank."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+# torch 2.13 renamed the single-tensor collectives (``all_gather_into_tensor`` ->
+# ``all_gather_single``); the old names warn there, the new ones do not exist before.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    """``output`` = the sum over ranks of this rank's equal slice of ``input``."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(output, input, group=group)
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """``output[r * len(input) : (r + 1) * len(input)] = input`` of rank r, for every rank.
+
+    Runs whatever the sizes, zero included: a rank must never skip a collective its peers join.
+    """
+    _ALL_GATHER(output, input, group=group)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """``output`` = the sum over ranks of this rank's equal slice of ``input`` (dim 0)."""
+    _REDUCE_SCATTER(output, input, group=group)
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """In-place all-reduce of ``tensor`` over ``group``."""
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def exchange(values: Sequence[int], group) -> List[Tuple[int, ...]]:
+    """Every rank's ``values`` (same length everywhere), in group-rank order.
+
+    One all-gather of int64 on ``collective_device(group)``, read back on the host (a device
+    sync for NCCL). A group of one, or a CUDA stream being captured into a graph (where a host
+    read is not allowed), exchanges nothing: every row is this rank's own.
+    """
+    mine = [int(v) for v in values]
+    _, size = group_rank_and_size(group)
+    if size == 1:
+        return [tuple(mine)]
+    device = collective_device(group)
+    if _capturing(device):
+        return [tuple(mine)] * size
+    return _all_gather_ints(mine, group, size, device)
+
+
+def _all_gather_ints(mine: List[int], group, size: int, device) -> List[Tuple[int, ...]]:
+    """The exchange's own work: int64 to ``device``, all-gather, read back on the host."""
+    send = torch.tensor(mine, dtype=torch.int64).to(device)
+    recv = torch.empty(size * len(mine), dtype=torch.int64, device=device)
+    all_gather_into(recv, send, group)
+    return [tuple(row) for row in recv.view(size, len(mine)).tolist()]
+
+
+def _as_problem(exc: Optional[BaseException]) -> Optional[errors.InputError]:
+    if exc is None or isinstance(exc, errors.InputError):
+        return exc
+    return errors.make("rejected", note=f"{type(exc).__name__}: {exc}")
+
+
+def find_problem(
+    problem: Optional[BaseException], group, call: Sequence[int] = ()
+) -> Tuple[Optional[errors.InputError], List[Tuple[int, ...]]]:
+    """Exchanges each rank's verdict on its input; returns (the first bad rank's error, rows).
+
+    Args:
+        problem: the exception this rank's local checks raised (an ``InputError``, or anything
+            else, which counts as kind ``rejected``), or None. A problem that came from another
+            group already carries its ``origin`` and is passed on as it is.
+        group: the process group of the call (every rank of it must call this).
+        call: ints describing the call, the same length on every rank; returned per rank for
+            the caller to compare (plan fingerprint, field structure, ...).
+
+    Returns:
+        ``(error, rows)``: the error of the lowest group rank with a problem, rebuilt from its
+        code and numbers with its global rank as ``origin`` (so it reads the same on every
+        rank), or None; and every rank's ``call`` values in group-rank order.
+    """
+    local = _as_problem(problem)
+    if local is None:
+        head = (0, 0, 0, 0, 0, 0)
+    else:
+        origin = global_rank() if local.origin is None else local.origin
+        header = local.header()
+        head = (header[0], origin) + header[1:]
+    rows = exchange(head + tuple(int(v) for v in call), group)
+    for row in rows:
+        if row[_CODE] != 0:
+            if local is not None and row[:_PREFIX] == head:
+                # This rank's own problem: keep its detail and its type.
+                first = errors.make(
+                    local.kind, *local.numbers, origin=row[_ORIGIN], note=local.note
+                )
+                first.__cause__ = problem
+            else:
+                first = errors.from_code(row[_CODE], row[_NUMBERS], row[_ORIGIN])
+            return first, [r[_PREFIX:] for r in rows]
+    return None, [r[_PREFIX:] for r in rows]
+
+
+def agree(
+    problem: Optional[BaseException], group, call: Sequence[int] = ()
+) -> List[Tuple[int, ...]]:
+    """``find_problem``, raising the first bad rank's error on every rank; returns the rows.
+
+    Raises:
+        errors.InputError: on every rank of ``group`` alike when any rank had a problem.
+    """
+    first, rows = find_problem(problem, group, call)
+    if first is not None:
+        raise first
+    return rows
+
+
+def first_difference(
+    rows: Sequence[Sequence[int]], skip: Sequence[int] = ()
+) -> Optional[errors.InputError]:
+    """A ``calls_differ`` error for the first value on which the ranks' calls differ, or None.
+
+    Args:
+        rows: the ``call`` values of every rank, as ``find_problem`` / ``agree`` return them.
+        skip: indices of values that may differ between ranks (a row count, a rank).
+    """
+    for i in range(len(rows[0]) if rows else 0):
+        if i in skip:
+            continue
+        values = [row[i] for row in rows]
+        if any(v != values[0] for v in values):
+            other = next(v for v in values if v != values[0])
+            return errors.make("calls_differ", i, values[0], other)
+    return None
+
+
+def raise_if_calls_differ(rows: Sequence[Sequence[int]], skip: Sequence[int] = ()) -> None:
+    """Raises ``first_difference(rows, skip)`` when there is one (the same on every rank)."""
+    difference = first_difference(rows, skip)
+    if difference is not None:
+        raise difference

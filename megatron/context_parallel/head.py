@@ -2,15 +2,21 @@
 
 ``compute_forward_output`` takes this rank's final hidden rows (CP-local, in plan order), the
 vocab-parallel output-layer weight (megatron-core ``ColumnParallelLinear`` layout, ``[V/TP, H]``
-per tensor-parallel rank), the labels in source order and the fields a caller asked for. It
-computes every field on the local rows, then moves all of them into source order with ONE call
-of ``gather_from_context_parallel_region`` (one collective over the CP group).
+per tensor-parallel rank), the labels in source order and the fields a caller asked for
+(``OutputOptions``). It computes every field on the local rows, then moves all of them into
+source order with ONE CP gather (``mappings.gather_or_raise``).
 
-Tensor parallelism stays inside the head: the log-softmax normaliser and the top-k are combined
-over the TP group from per-rank statistics (one all-gather of a few numbers per row), so
-vocab-wide logits are never gathered for them. Target log-probs and top-k walk the local rows in
-chunks of ``chunk_size`` rows, recomputing each chunk's logits in backward, so no more than a
-few ``chunk_size x V/TP`` tensors are alive at a time in either direction.
+Tensor parallelism stays inside the head: each TP rank reduces its vocab shard to a few numbers
+per row (``vocab_ops.vocab_stats``: max, sum of exponentials, target logit, local top-k) with
+no communication; one all-gather of those numbers over TP (``mappings``) and plain torch ops
+combine them into the log-sum-exp, the target log-probs and the top-k, so vocab-wide logits are
+neither gathered nor materialised for them, and autograd takes the combine's gradient back to
+each shard, whose backward (``vocab_stats_backward``) recomputes its logits.
+
+Steps of ``compute_forward_output``: ``_check_inputs`` (local, raises nothing yet), agreement
+over TP (``_agree_over_tensor_parallel``: any TP rank's problem reaches the whole TP group),
+``_local_fields`` (TP communication only), then the CP gather, which carries any problem to the
+CP group, so every rank of TP x CP raises the same error and none waits in a collective.
 
 Gradient rule (the same as the CP gather's default): every CP rank computes the same loss on the
 full outputs; each rank's input gradient is its own rows of that loss's gradient, so parameter
@@ -19,24 +25,25 @@ gradients summed over the CP group equal the single-device gradient.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from megatron.context_parallel.groups import (
-    all_gather_single,
-    group_rank_and_size,
-    resolve_context_parallel_group,
-    resolve_tensor_parallel_group,
+from megatron.context_parallel import errors, groups, vocab_ops
+from megatron.context_parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    gather_or_raise,
 )
-from megatron.context_parallel.mappings import gather_from_context_parallel_region
 from megatron.context_parallel.plan import ContextParallelPlan
 
 __all__ = [
     "FIELDS",
     "IGNORE_INDEX",
+    "OutputOptions",
     "TopK",
     "ForwardOutput",
     "compute_forward_output",
@@ -48,8 +55,72 @@ FIELDS = ("hidden_states", "target_logprobs", "top_k", "logits")
 # Label value whose position has no target: its log-prob is 0.0 and gets no gradient.
 IGNORE_INDEX = -100
 
-# Columns of the per-row statistics a TP rank shares in the forward (see _VocabParallelLogprobs).
+# Columns of the per-row statistics each TP rank shares (then the top-k values and ids).
 _MAX, _SUMEXP, _TARGET, _TOPK = 0, 1, 2, 3
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What a forward returns: the options shared by every entry point of the package.
+
+    ``compute_forward_output``, ``make_output_processor`` and the model entry points take either
+    ``options=OutputOptions(...)`` or these fields as keywords, never both.
+
+    Attributes:
+        fields: names from ``FIELDS`` (a name or a sequence); the others stay None.
+        top_k: k of the ``top_k`` field (``1 <= k <= V``, checked against the vocabulary).
+        gather_logits: False leaves ``logits`` rank-local (``[n_r, V/TP]``, as megatron's output
+            layer makes it) and sets ``ForwardOutput.logits_are_local``; saves an ``[S, V]``
+            copy per rank.
+        chunk_size: rows (or vocabulary columns) per chunk of the target log-prob and top-k
+            work; bounds its working memory to a few ``chunk_size x V/TP`` fp32 tensors.
+        context_parallel_output_grad: True when CP ranks compute different losses on the full
+            outputs, so output gradients are summed over CP (see the CP gather).
+
+    Raises:
+        errors.InputError: an unknown field, a non-int ``top_k`` or ``chunk_size < 1``.
+    """
+
+    fields: Union[str, Sequence[str]] = ("hidden_states",)
+    top_k: int = 0
+    gather_logits: bool = True
+    chunk_size: int = 512
+    context_parallel_output_grad: bool = False
+
+    def __post_init__(self):
+        fields = (self.fields,) if isinstance(self.fields, str) else tuple(self.fields)
+        for name in fields:
+            if name not in FIELDS:
+                raise errors.make("unknown_field", note=f"got {name!r}")
+        object.__setattr__(self, "fields", tuple(f for f in FIELDS if f in fields))
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise errors.make("option", note=f"top_k must be an int >= 0, got {self.top_k!r}")
+        size = self.chunk_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise errors.make("chunk_size", size if isinstance(size, int) else -1)
+
+    @classmethod
+    def resolve(
+        cls, options: Optional["OutputOptions"], keywords: Mapping[str, Any]
+    ) -> "OutputOptions":
+        """``options``, or ``OutputOptions(**keywords)``; an error naming the mix otherwise."""
+        if options is None:
+            unknown = set(keywords) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise errors.make("option", note=f"unknown output options {sorted(unknown)}")
+            return cls(**keywords)
+        if not isinstance(options, cls):
+            raise errors.make("option", note=f"options must be an OutputOptions, got {options!r}")
+        if keywords:
+            raise errors.make("option", note=f"pass options= or {sorted(keywords)}, not both")
+        return options
+
+    def describe(self) -> Tuple[int, ...]:
+        """Ints that ranks compare to know they asked for the same outputs."""
+        mask = sum(1 << FIELDS.index(f) for f in self.fields)
+        return (mask, self.top_k, int(self.gather_logits), int(self.context_parallel_output_grad))
 
 
 @dataclass
@@ -137,224 +208,256 @@ class ForwardOutput:
 # Private helpers.
 
 
-def _normalise_fields(fields: Union[str, Sequence[str]]) -> Tuple[str, ...]:
-    if isinstance(fields, str):
-        fields = (fields,)
-    fields = tuple(fields)
-    for name in fields:
-        if name not in FIELDS:
-            raise ValueError(f"unknown field {name!r}; the fields are {FIELDS}")
-    return tuple(f for f in FIELDS if f in fields)
-
-
 # ---------------------------------------------------------------------------------------------
-# Autograd Functions.
+# The local computation of a shard's statistics (no communication).
 
 
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce (sum) over TP.
+class _LocalVocabStats(torch.autograd.Function):
+    """``vocab_ops.vocab_stats`` of one TP shard, differentiable in hidden and weight.
 
-    The vocab-parallel consumers of the hidden rows each see V/TP of the vocabulary, so the
-    gradient of the rows is the sum of their contributions.
+    Outputs: row max (not differentiable), sum of ``exp(logit - max)``, target logit, top-k
+    logits, top-k shard-local ids (not differentiable). Backward: the upstream gradients of the
+    sum, the target logit and the top-k logits become ``vocab_ops.vocab_stats_backward``'s
+    ``grad_sum_exp`` and sparse per-id gradients; the logits are recomputed there. The max
+    needs no gradient: through the log-sum-exp combine, the max's own gradient and the one it
+    causes through the sum cancel exactly, so the combine treats it as a constant.
     """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Forward: all-gather the TP ranks' row slices (dim 0). Backward: keep own slice.
-
-    Every TP rank uses the gathered rows alike (consumers that see only part of the vocabulary
-    sum their gradients first, in ``_CopyToTensorParallelRegion``), so no reduction here.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, rank, size):
-        ctx.rank, ctx.rows = rank, x.shape[0]
-        x = x.contiguous()
-        out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-        if out.numel() > 0:
-            all_gather_single(out, x, group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        start = ctx.rank * ctx.rows
-        return grad[start : start + ctx.rows].contiguous(), None, None, None
-
-
-class _GatherFromVocabParallelRegion(torch.autograd.Function):
-    """Forward: ``[n, V/TP]`` shards -> ``[n, V]`` (all-gather over TP). Backward: own columns."""
-
-    @staticmethod
-    def forward(ctx, x, group, rank, size):
-        ctx.rank, ctx.cols = rank, x.shape[1]
-        # Concatenated along dim 0 (the layout every backend accepts), then rank-major columns.
-        parts = x.new_empty((size * x.shape[0], x.shape[1]))
-        if parts.numel() > 0:
-            all_gather_single(parts, x.contiguous(), group)
-        parts = parts.view(size, x.shape[0], x.shape[1])
-        return parts.permute(1, 0, 2).reshape(x.shape[0], size * x.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        start = ctx.rank * ctx.cols
-        return grad[:, start : start + ctx.cols].contiguous(), None, None, None
-
-
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[c, V/TP]`` logits of a chunk of rows (matmul in the model dtype, as megatron)."""
-    return torch.matmul(hidden, weight.t()).float()
-
-
-class _VocabParallelLogprobs(torch.autograd.Function):
-    """Target log-probs and top-k of vocab-parallel logits, chunk by chunk, recomputed in backward.
-
-    Forward, per chunk of rows: local logits ``[c, V/TP]`` (fp32), their max, the sum of
-    ``exp(logit - max)``, the target's logit when this TP rank holds it, and the local top-k.
-    These few numbers per row are all-gathered over TP once, after the last chunk, and combined
-    into the global log-sum-exp and top-k. Only ``lse`` ``[n]`` and the top-k ids are saved.
-
-    Backward, per chunk: d logprob(t) / d logits = onehot(t) - softmax, so the logits' gradient
-    is ``scatter(g at the selected ids) - (sum of g) * softmax``, with softmax recomputed from the
-    saved ``lse``. The hidden rows' gradient covers this rank's vocab shard only; the sum over TP
-    happens in ``_CopyToTensorParallelRegion`` upstream.
-
-    Inputs: hidden ``[n, H]``, weight ``[V/TP, H]``, labels int64 ``[n]`` (or None), ``k``,
-    ``chunk_size``, ``tp_group``, ``tp_rank``, ``tp_size``.
-    Outputs: target log-probs fp32 ``[n]`` (zeros without labels), top-k log-probs fp32
-    ``[n, k]``, top-k ids int64 ``[n, k]`` (not differentiable).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, k, chunk_size, group, tp_rank, tp_size):
-        n, shard = hidden.shape[0], weight.shape[0]
-        vocab = shard * tp_size
-        vocab_start = tp_rank * shard
-        local_k = min(k, shard)
-        device = hidden.device
-        stats = torch.zeros(n, _TOPK + 2 * local_k, dtype=torch.float32, device=device)
-        local_target = None
-        if labels is not None:
-            local_target = labels - vocab_start
-            target_here = (local_target >= 0) & (local_target < shard)
-            local_target = local_target.clamp(0, max(shard - 1, 0))
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            logits = _chunk_logits(hidden[start:end], weight)
-            row_max = logits.amax(dim=-1)
-            stats[start:end, _MAX] = row_max
-            if local_target is not None:
-                picked = logits.gather(1, local_target[start:end, None]).squeeze(1)
-                stats[start:end, _TARGET] = torch.where(target_here[start:end], picked, 0.0)
-            if local_k:
-                values, ids = logits.topk(local_k, dim=-1)
-                stats[start:end, _TOPK : _TOPK + local_k] = values
-                # Ids travel bit-cast inside the fp32 statistics: one collective, exact ids.
-                ids32 = (ids + vocab_start).to(torch.int32)
-                stats[start:end, _TOPK + local_k :] = ids32.view(torch.float32)
-            # In place: this chunk's logits buffer becomes its exp, no second [c, V/TP] tensor.
-            stats[start:end, _SUMEXP] = logits.sub_(row_max[:, None]).exp_().sum(dim=-1)
-            del logits
-
-        if tp_size > 1 and n > 0:
-            every = stats.new_empty((tp_size * n, stats.shape[1]))
-            all_gather_single(every, stats, group)
-            every = every.view(tp_size, n, stats.shape[1])
-        else:
-            every = stats[None]
-        global_max = every[:, :, _MAX].amax(dim=0)
-        sum_exp = (every[:, :, _SUMEXP] * torch.exp(every[:, :, _MAX] - global_max)).sum(dim=0)
-        lse = global_max + torch.log(sum_exp)
-
-        if labels is not None:
-            valid = (labels >= 0) & (labels < vocab)
-            target_logit = every[:, :, _TARGET].sum(dim=0)
-            target_lp = torch.where(valid, target_logit - lse, float("nan"))
-            target_lp = torch.where(labels == IGNORE_INDEX, 0.0, target_lp)
-        else:
-            valid = None
-            target_lp = torch.zeros(n, dtype=torch.float32, device=device)
-
-        if k:
-            width = every.shape[0] * local_k
-            cand_values = every[:, :, _TOPK : _TOPK + local_k].permute(1, 0, 2).reshape(n, width)
-            cand_ids = (
-                every[:, :, _TOPK + local_k :].contiguous().view(torch.int32).permute(1, 0, 2)
-            ).reshape(n, width)
-            if tp_size > 1:
-                top_values, where = cand_values.topk(k, dim=-1)
-                top_ids = cand_ids.gather(1, where).long()
-            else:
-                top_values, top_ids = cand_values, cand_ids.long()
-            top_lp = top_values - lse[:, None]
-        else:
-            top_lp = torch.zeros(n, 0, dtype=torch.float32, device=device)
-            top_ids = torch.zeros(n, 0, dtype=torch.int64, device=device)
-
-        ctx.mark_non_differentiable(top_ids)
-        ctx.save_for_backward(hidden, weight, labels, valid, lse, top_ids)
-        ctx.chunk_size, ctx.vocab_start, ctx.has_labels = (
-            chunk_size,
-            vocab_start,
-            labels is not None,
+    def forward(ctx, hidden, weight, target, k, chunk_size):
+        row_max, sum_exp, target_logit, top_values, top_ids = vocab_ops.vocab_stats(
+            hidden, weight, target, k, chunk_size
         )
-        return target_lp, top_lp, top_ids
+        ctx.save_for_backward(hidden, weight, target, row_max, top_ids)
+        ctx.chunk_size, ctx.has_target = chunk_size, target is not None
+        ctx.mark_non_differentiable(row_max, top_ids)
+        return row_max, sum_exp, target_logit, top_values, top_ids
 
     @staticmethod
-    def backward(ctx, grad_target, grad_top, _grad_ids):
-        hidden, weight, labels, valid, lse, top_ids = ctx.saved_tensors
-        n, shard = hidden.shape[0], weight.shape[0]
+    def backward(ctx, _grad_max, grad_sum_exp, grad_target, grad_top, _grad_ids):
+        hidden, weight, target, row_max, top_ids = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (want_h or want_w):
-            return (None,) * 8
-
-        # The ids whose log-probs were used, and their gradients; ignored labels get none.
-        ids, grads = [], []
-        if ctx.has_labels and grad_target is not None:
-            ids.append(labels.clamp(min=0)[:, None])
-            grads.append(torch.where(valid, grad_target.float(), 0.0)[:, None])
-        if grad_top is not None and top_ids.shape[1] > 0:
+            return None, None, None, None, None
+        n = hidden.shape[0]
+        ids: List[torch.Tensor] = []
+        grads: List[torch.Tensor] = []
+        if ctx.has_target and grad_target is not None:
+            ids.append(target[:, None])
+            grads.append(grad_target.float()[:, None])
+        if grad_top is not None and top_ids.shape[1]:
             ids.append(top_ids)
             grads.append(grad_top.float())
-        grad_h = torch.zeros_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
-        if not ids:
-            return grad_h, grad_w, None, None, None, None, None, None
-        ids = torch.cat(ids, dim=1) - ctx.vocab_start
-        grads = torch.cat(grads, dim=1)
-        here = (ids >= 0) & (ids < shard)
-        ids = ids.clamp(0, max(shard - 1, 0))
-        grads_here = torch.where(here, grads, 0.0)
-        total = grads.sum(dim=1)
+        if grad_sum_exp is None:
+            grad_sum_exp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        ids_t = (
+            torch.cat(ids, 1) if ids else torch.zeros(n, 0, dtype=torch.int64, device=hidden.device)
+        )
+        grads_t = torch.cat(grads, 1) if grads else torch.zeros(n, 0, device=hidden.device)
+        grad_h, grad_w = vocab_ops.vocab_stats_backward(
+            hidden,
+            weight,
+            row_max,
+            grad_sum_exp.float(),
+            ids_t,
+            grads_t,
+            ctx.chunk_size,
+            want_h,
+            want_w,
+        )
+        return grad_h, grad_w, None, None, None
 
-        for start in range(0, n, ctx.chunk_size):
-            end = min(start + ctx.chunk_size, n)
-            rows = hidden[start:end]
-            # Softmax recomputed in place, then turned into the logits' gradient in place.
-            d_logits = _chunk_logits(rows, weight).sub_(lse[start:end, None]).exp_()
-            d_logits.mul_(-total[start:end, None])
-            d_logits.scatter_add_(1, ids[start:end], grads_here[start:end])
-            d_logits = d_logits.to(hidden.dtype)
-            if want_h:
-                grad_h[start:end] = torch.matmul(d_logits, weight)
-            if want_w:
-                grad_w.addmm_(d_logits.t(), rows)
-            del d_logits
-        return grad_h, grad_w, None, None, None, None, None, None
+
+def _vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    k: int,
+    chunk_size: int,
+    tp_group,
+    tp_rank: int,
+    tp_size: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Target log-probs fp32 ``[n]``, top-k log-probs fp32 ``[n, k]``, top-k ids int64 ``[n, k]``.
+
+    ``hidden`` ``[n, H]`` (already through ``copy_to_tensor_parallel_region``), ``weight``
+    ``[V/TP, H]``, ``labels`` int64 ``[n]`` global ids or None (then target log-probs are zero).
+    One all-gather over TP, run on every rank whatever ``n`` (zero included).
+    """
+    n, shard = hidden.shape[0], weight.shape[0]
+    vocab, vocab_start = shard * tp_size, tp_rank * shard
+    local_k = min(k, shard)
+    target = None if labels is None else labels - vocab_start
+    row_max, sum_exp, target_logit, top_values, top_ids = _LocalVocabStats.apply(
+        hidden, weight, target, local_k, chunk_size
+    )
+    # Ids travel bit-cast inside the fp32 statistics: one collective, exact ids.
+    id_bits = (top_ids + vocab_start).to(torch.int32).view(torch.float32)
+    stats = torch.cat(
+        [row_max[:, None], sum_exp[:, None], target_logit[:, None], top_values, id_bits], dim=1
+    )
+    every = gather_from_tensor_parallel_region(stats, tp_group, dim=0)
+    every = every.view(tp_size, n, stats.shape[1])
+    maxima = every[:, :, _MAX].detach()
+    global_max = maxima.amax(dim=0)
+    lse = global_max + torch.log((every[:, :, _SUMEXP] * torch.exp(maxima - global_max)).sum(0))
+
+    if labels is not None:
+        valid = (labels >= 0) & (labels < vocab)
+        target_lp = torch.where(valid, every[:, :, _TARGET].sum(dim=0) - lse, float("nan"))
+        target_lp = torch.where(labels == IGNORE_INDEX, 0.0, target_lp)
+    else:
+        target_lp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+
+    width = tp_size * local_k
+    values = every[:, :, _TOPK : _TOPK + local_k].permute(1, 0, 2).reshape(n, width)
+    ids = every[:, :, _TOPK + local_k :].detach().contiguous().view(torch.int32)
+    ids = ids.permute(1, 0, 2).reshape(n, width)
+    if tp_size > 1 and k:
+        values, where = values.topk(k, dim=-1)
+        ids = ids.gather(1, where)
+    return target_lp, values - lse[:, None], ids.long()
 
 
 # ---------------------------------------------------------------------------------------------
-# Public entry point.
+# The steps of compute_forward_output.
+
+
+@dataclass
+class _HeadInputs:
+    """Checked inputs of one head call on this rank."""
+
+    hidden: torch.Tensor  # [n, H] (a TP slice [n / TP, H] under sequence parallelism)
+    weight: torch.Tensor  # [V/TP, H]
+    labels: Optional[torch.Tensor]  # int64 [n]: this rank's rows' labels, or None
+    options: OutputOptions
+    plan: ContextParallelPlan
+    cp_rank: int
+    tp_rank: int
+    tp_size: int
+    sequence_parallel: bool
+
+    def describe(self) -> Tuple[int, ...]:
+        """What the ranks of a TP group must share for their collectives to match."""
+        dtype = _DTYPES.index(self.hidden.dtype) if self.hidden.dtype in _DTYPES else 9
+        return (
+            self.plan.fingerprint,
+            self.hidden.shape[0],
+            self.hidden.shape[1],
+            self.weight.shape[0],
+            dtype,
+            int(self.sequence_parallel),
+            self.options.chunk_size,
+        ) + self.options.describe()
+
+
+def _check_inputs(
+    hidden_local, output_weight, plan, labels, options, cp_group, tp_group, sequence_parallel
+) -> _HeadInputs:
+    """This rank's inputs, checked; raises an ``errors.InputError`` naming the first problem."""
+    if not isinstance(plan, ContextParallelPlan):
+        raise errors.make("not_a_plan")
+    cp_rank = plan.rank_in(cp_group)
+    tp_rank, tp_size = groups.group_rank_and_size(tp_group)
+    if not isinstance(hidden_local, torch.Tensor) or not isinstance(output_weight, torch.Tensor):
+        raise errors.make("not_a_tensor", 0)
+    hidden = hidden_local
+    if hidden.dim() == 3 and hidden.shape[1] == 1:
+        hidden = hidden.squeeze(1)
+    if hidden.dim() != 2:
+        raise errors.make("hidden_shape", hidden_local.dim(), hidden_local.shape[1])
+    if output_weight.dim() != 2 or output_weight.shape[1] != hidden.shape[1]:
+        shape = tuple(output_weight.shape) + (0, 0)
+        raise errors.make("weight_shape", shape[0], hidden.shape[1], shape[1])
+    vocab = output_weight.shape[0] * tp_size
+    if "top_k" in options.fields and not 1 <= options.top_k <= vocab:
+        raise errors.make("top_k", options.top_k, vocab)
+    n_rows = hidden.shape[0] * (tp_size if sequence_parallel else 1)
+    if n_rows != plan.counts[cp_rank]:
+        raise errors.make("hidden_rows", n_rows, plan.counts[cp_rank], cp_rank)
+    local_labels = None
+    if "target_logprobs" in options.fields:
+        if labels is None:
+            raise errors.make("labels_missing")
+        if not isinstance(labels, torch.Tensor) or labels.dtype not in (
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+        ):
+            raise errors.make("labels_dtype")
+        if labels.dim() == 2 and labels.shape[0] == 1:
+            labels = labels[0]
+        if labels.dim() != 1 or labels.shape[0] != plan.seq_len:
+            raise errors.make("labels_shape", labels.numel(), plan.seq_len)
+        positions = plan.local_positions(cp_rank, hidden.device)
+        local_labels = labels.to(hidden.device).long().index_select(0, positions)
+    return _HeadInputs(
+        hidden=hidden,
+        weight=output_weight,
+        labels=local_labels,
+        options=options,
+        plan=plan,
+        cp_rank=cp_rank,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        sequence_parallel=bool(sequence_parallel and tp_size > 1),
+    )
+
+
+def _agree_over_tensor_parallel(
+    problem: Optional[BaseException], inputs: Optional[_HeadInputs], tp_group
+) -> Optional[BaseException]:
+    """Shares problems and call descriptions within the TP group; returns the first problem.
+
+    Does not raise: the problem must still travel to the CP group in the gather's exchange, or
+    the CP peers of this TP group would wait there.
+    """
+    if groups.group_rank_and_size(tp_group)[1] == 1:
+        return problem
+    description = inputs.describe() if problem is None else (0,) * 11
+    first, rows = groups.find_problem(problem, tp_group, description)
+    return first if first is not None else groups.first_difference(rows)
+
+
+def _local_fields(inputs: _HeadInputs, tp_group) -> Tuple[Dict[str, torch.Tensor], Any]:
+    """Every requested field of this rank's rows (TP communication only); and local logits."""
+    options = inputs.options
+    hidden = inputs.hidden
+    if inputs.sequence_parallel:
+        hidden = gather_from_tensor_parallel_region(hidden, tp_group, dim=0)
+    # Vocab-parallel consumers read `hidden_tp`; `hidden` itself is what every TP rank shares.
+    hidden_tp = copy_to_tensor_parallel_region(hidden, tp_group)
+    local: Dict[str, torch.Tensor] = {}
+    if "hidden_states" in options.fields:
+        local["hidden_states"] = hidden
+    k = options.top_k if "top_k" in options.fields else 0
+    if "target_logprobs" in options.fields or k:
+        target_lp, top_lp, top_ids = _vocab_parallel_logprobs(
+            hidden_tp,
+            inputs.weight,
+            inputs.labels,
+            k,
+            options.chunk_size,
+            tp_group,
+            inputs.tp_rank,
+            inputs.tp_size,
+        )
+        if "target_logprobs" in options.fields:
+            local["target_logprobs"] = target_lp
+        if k:
+            local["top_k_logprobs"] = top_lp
+            local["top_k_tokens"] = top_ids
+    logits_local = None
+    if "logits" in options.fields:
+        logits_local = torch.matmul(hidden_tp, inputs.weight.t())
+        if options.gather_logits:
+            local["logits"] = gather_from_tensor_parallel_region(logits_local, tp_group, dim=-1)
+    if not local:
+        # Nothing to gather, but the CP exchange must still run (peers may have a problem).
+        local["nothing"] = hidden.new_empty((hidden.shape[0], 0))
+    return local, logits_local
 
 
 def compute_forward_output(
@@ -363,19 +466,16 @@ def compute_forward_output(
     plan: ContextParallelPlan,
     *,
     labels: Optional[torch.Tensor] = None,
-    fields: Union[str, Sequence[str]] = ("hidden_states",),
-    top_k: int = 0,
     cp_group: Optional[dist.ProcessGroup] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     sequence_parallel: bool = False,
-    gather_logits: bool = True,
-    chunk_size: int = 512,
-    context_parallel_output_grad: bool = False,
+    options: Optional[OutputOptions] = None,
+    **option_keywords: Any,
 ) -> ForwardOutput:
     """Forward: fields of the local rows, one CP gather to source order; backward: own rows.
 
     Every requested field is computed on this rank's rows (vocab-parallel over TP), then all of
-    them move into source order with one collective over the CP group. In backward each rank
+    them move into source order with one data collective over the CP group. In backward each rank
     receives its own rows' gradient, summed over the TP ranks' vocab shards.
 
     Args:
@@ -387,142 +487,100 @@ def compute_forward_output(
         plan: the CP plan; ``n_r == plan.counts[cp_rank]``.
         labels: int ``[plan.seq_len]`` (or ``[1, seq_len]``) in SOURCE order, already shifted;
             -100 marks positions without a target. Required for ``target_logprobs``.
-        fields: names from ``FIELDS`` to compute; the others stay None.
-        top_k: k of the ``top_k`` field (``1 <= k <= V``).
         cp_group: the CP group; None means megatron-core's (a single rank outside a job).
         tp_group: the TP group; None means megatron-core's (a single rank outside a job).
         sequence_parallel: ``hidden_local`` is sequence-parallel over ``tp_group``.
-        gather_logits: False leaves ``logits`` rank-local (``[n_r, V/TP]``, as megatron's output
-            layer makes it) and sets ``logits_are_local``; saves an ``[S, V]`` copy per rank.
-        chunk_size: rows per chunk for target log-probs and top-k; bounds their working memory
-            to a few ``chunk_size x V/TP`` fp32 tensors, forward and backward.
-        context_parallel_output_grad: passed to the CP gather: True when CP ranks compute
-            different losses on the full outputs, so output gradients are summed over CP.
+        options: an ``OutputOptions``; or pass its fields (``fields``, ``top_k``,
+            ``gather_logits``, ``chunk_size``, ``context_parallel_output_grad``) as keywords.
 
     Returns:
         ``ForwardOutput`` whose requested fields cover all ``plan.seq_len`` positions in source
         order, identical on every rank of the CP and TP groups (``hidden_states [S, H]``,
         ``target_logprobs`` fp32 ``[S]``, ``top_k`` ``[S, k]``, ``logits [S, V]``), each
         differentiable w.r.t. ``hidden_local`` and ``output_weight`` (token ids excepted).
+        Target log-probs and top-k come from fp32 logits (fp32 accumulation), so they are
+        exact to fp32 whatever the model dtype; ``logits`` are the output layer's own (model
+        dtype).
 
     Raises:
-        ValueError: an unknown field; ``top_k`` requested with k outside ``[1, V]``; labels
-            missing, not integer or not ``seq_len`` long; a weight whose hidden size differs from
-            the rows'; a CP group size other than ``plan.cp_size``; hidden rows other than
-            ``plan.counts[cp_rank]`` (raised through the CP gather's agreement check, so on every
-            rank the first time a plan meets a group).
+        errors.InputError (a ValueError): on EVERY rank of the TP and CP groups alike when any
+            of them passes an unknown field, ``top_k`` outside ``[1, V]``, labels that are
+            missing, not integer or not ``seq_len`` long, a weight whose hidden size differs
+            from the rows', a CP group size other than ``plan.cp_size``, hidden rows other than
+            ``plan.counts[cp_rank]``, or when ranks' calls differ. One small exchange per group
+            carries these checks; no rank is left waiting in a collective.
     """
-    wanted = _normalise_fields(fields)
-    if not isinstance(plan, ContextParallelPlan):
-        raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    cp_group = resolve_context_parallel_group(cp_group)
-    tp_group = resolve_tensor_parallel_group(tp_group)
-    cp_rank, cp_size = group_rank_and_size(cp_group)
-    tp_rank, tp_size = group_rank_and_size(tp_group)
-    if cp_size != plan.cp_size:
-        raise ValueError(
-            f"the CP group has {cp_size} ranks but the plan has cp_size {plan.cp_size}"
-        )
+    return _run_head(
+        hidden_local,
+        output_weight,
+        plan,
+        labels,
+        groups.resolve_context_parallel_group(cp_group),
+        groups.resolve_tensor_parallel_group(tp_group),
+        sequence_parallel,
+        options,
+        option_keywords,
+    )
 
-    if hidden_local.dim() == 3:
-        if hidden_local.shape[1] != 1:
-            raise ValueError(
-                f"hidden_local [s, b, h] must have b == 1 (packed input), got shape "
-                f"{tuple(hidden_local.shape)}"
-            )
-        hidden_local = hidden_local.squeeze(1)
-    elif hidden_local.dim() != 2:
-        raise ValueError(
-            f"hidden_local must be [n, H] or [n, 1, H], got shape {tuple(hidden_local.shape)}"
-        )
-    if output_weight.dim() != 2 or output_weight.shape[1] != hidden_local.shape[1]:
-        raise ValueError(
-            f"output_weight must be [V/TP, H] with H = {hidden_local.shape[1]} (the hidden "
-            f"size of hidden_local), got shape {tuple(output_weight.shape)}"
-        )
-    vocab = output_weight.shape[0] * tp_size
-    k = 0
-    if "top_k" in wanted:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab:
-            raise ValueError(
-                f"top_k must be an int in [1, {vocab}] (the vocabulary: {output_weight.shape[0]} "
-                f"rows x TP {tp_size}), got {top_k!r}"
-            )
-        k = top_k
-    if "target_logprobs" in wanted:
-        if labels is None:
-            raise ValueError("'target_logprobs' needs labels ([seq_len] ids in source order)")
-        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-            raise ValueError(f"labels must hold integer ids, got dtype {labels.dtype}")
-        if labels.dim() == 2 and labels.shape[0] == 1:
-            labels = labels[0]
-        if labels.dim() != 1 or labels.shape[0] != plan.seq_len:
-            raise ValueError(
-                f"labels must be [seq_len] = [{plan.seq_len}] in source order, got shape "
-                f"{tuple(labels.shape)}"
-            )
-    n_rows = hidden_local.shape[0] * (tp_size if sequence_parallel else 1)
-    if n_rows != plan.counts[cp_rank]:
-        # Let the CP gather's agreement check report it, so that every CP rank raises alike
-        # rather than this one alone while the others wait in the collective.
-        # A zero-width stand-in carries the row count (all TP slices together under SP).
-        stand_in = hidden_local.new_empty((n_rows, 0))
-        gather_from_context_parallel_region({"hidden_states": stand_in}, plan, cp_group)
-        raise ValueError(
-            f"CP rank {cp_rank} has {n_rows} hidden rows but the plan gives it "
-            f"{plan.counts[cp_rank]} (plan counts {plan.counts})"
-        )
-    if not wanted:
-        return ForwardOutput(plan=plan)
 
-    hidden = hidden_local
-    if sequence_parallel and tp_size > 1:
-        hidden = _GatherFromSequenceParallelRegion.apply(hidden, tp_group, tp_rank, tp_size)
-    # Vocab-parallel consumers read `hidden_tp`; `hidden` itself is what every TP rank shares.
-    hidden_tp = _CopyToTensorParallelRegion.apply(hidden, tp_group) if tp_size > 1 else hidden
-
-    local = {}
-    if "hidden_states" in wanted:
-        local["hidden_states"] = hidden
-    if "target_logprobs" in wanted or k:
-        local_labels = None
-        if "target_logprobs" in wanted:
-            positions = plan.local_positions(cp_rank, hidden.device)
-            local_labels = labels.to(hidden.device).long().index_select(0, positions)
-        target_lp, top_lp, top_ids = _VocabParallelLogprobs.apply(
-            hidden_tp, output_weight, local_labels, k, chunk_size, tp_group, tp_rank, tp_size
+def _run_head(
+    hidden_local,
+    output_weight,
+    plan,
+    labels,
+    cp_group,
+    tp_group,
+    sequence_parallel,
+    options,
+    option_keywords,
+    precheck: Optional[Callable[[], None]] = None,
+) -> ForwardOutput:
+    """``compute_forward_output`` on resolved groups; ``precheck`` is a caller's own check."""
+    problem: Optional[BaseException] = None
+    inputs: Optional[_HeadInputs] = None
+    try:
+        if precheck is not None:
+            precheck()
+        resolved = OutputOptions.resolve(options, option_keywords)
+        inputs = _check_inputs(
+            hidden_local,
+            output_weight,
+            plan,
+            labels,
+            resolved,
+            cp_group,
+            tp_group,
+            sequence_parallel,
         )
-        if local_labels is not None:
-            local["target_logprobs"] = target_lp
-        if k:
-            local["top_k_logprobs"] = top_lp
-            local["top_k_tokens"] = top_ids
-    logits_local = None
-    if "logits" in wanted:
-        logits_local = torch.matmul(hidden_tp, output_weight.t())
-        if gather_logits:
-            if tp_size > 1:
-                logits_local = _GatherFromVocabParallelRegion.apply(
-                    logits_local, tp_group, tp_rank, tp_size
-                )
-            local["logits"] = logits_local
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of any problem
+        problem = exc
+    problem = _agree_over_tensor_parallel(problem, inputs, tp_group)
+    local, logits_local = _local_fields(inputs, tp_group) if problem is None else ({}, None)
+    full = gather_or_raise(
+        local,
+        plan,
+        cp_group,
+        context_parallel_output_grad=(
+            inputs.options.context_parallel_output_grad if inputs is not None else False
+        ),
+        problem=problem,
+    )
+    return _forward_output(full, inputs, logits_local)
 
-    full = {}
-    if local:
-        full = gather_from_context_parallel_region(
-            local, plan, cp_group, context_parallel_output_grad=context_parallel_output_grad
-        )
+
+def _forward_output(
+    full: Dict[str, torch.Tensor], inputs: _HeadInputs, logits_local: Optional[torch.Tensor]
+) -> ForwardOutput:
+    """Assembles the gathered fields into a ``ForwardOutput``."""
     out = ForwardOutput(
         hidden_states=full.get("hidden_states"),
         target_logprobs=full.get("target_logprobs"),
         logits=full.get("logits"),
-        plan=plan,
+        plan=inputs.plan,
     )
-    if k:
+    if "top_k_logprobs" in full:
         out.top_k = TopK(logprobs=full["top_k_logprobs"], tokens=full["top_k_tokens"])
-    if "logits" in wanted and not gather_logits:
+    if logits_local is not None and not inputs.options.gather_logits:
         out.logits, out.logits_are_local = logits_local, True
     return out
 
@@ -531,12 +589,9 @@ def make_output_processor(
     plan: ContextParallelPlan,
     *,
     labels: Optional[torch.Tensor] = None,
-    fields: Union[str, Sequence[str]] = ("hidden_states",),
-    top_k: int = 0,
     cp_group: Optional[dist.ProcessGroup] = None,
-    gather_logits: bool = True,
-    chunk_size: int = 512,
-    context_parallel_output_grad: bool = False,
+    options: Optional[OutputOptions] = None,
+    **option_keywords: Any,
 ) -> Callable[..., ForwardOutput]:
     """A megatron-core ``GPTModel.forward(output_processor=...)`` hook returning ``ForwardOutput``.
 
@@ -546,33 +601,35 @@ def make_output_processor(
     ``output_weight`` when embeddings are shared, else ``output_layer.weight``. Pass
     ``cp_group=model.pg_collection.cp`` (None: ``parallel_state``'s CP group). ``labels`` are
     the full sequence's, in source order; the model's own (CP-local) labels are ignored.
+    Output options as in ``compute_forward_output``.
 
-    Raises:
-        ValueError (when called): the model uses MuP logit scaling or an output-layer bias,
-            which this head does not apply.
+    Raises (when called, on every rank of TP x CP alike, like ``compute_forward_output``):
+        errors.InputError: bad output options, or the model uses MuP logit scaling or an
+            output-layer bias, which this head does not apply.
     """
+    cp = groups.resolve_context_parallel_group(cp_group)
 
     def output_processor(
         *, hidden_states: torch.Tensor, output_layer, output_weight=None, config=None, **_: Any
     ) -> ForwardOutput:
-        if config is not None and getattr(config, "use_mup", False):
-            raise ValueError("make_output_processor does not apply MuP logit scaling (use_mup)")
-        if getattr(output_layer, "bias", None) is not None:
-            raise ValueError("make_output_processor does not apply an output-layer bias")
+        def unsupported() -> None:
+            if config is not None and getattr(config, "use_mup", False):
+                raise errors.make("option", note="the head does not apply MuP logit scaling")
+            if getattr(output_layer, "bias", None) is not None:
+                raise errors.make("option", note="the head does not apply an output-layer bias")
+
         weight = output_weight if output_weight is not None else output_layer.weight
-        return compute_forward_output(
+        return _run_head(
             hidden_states,
             weight,
             plan,
-            labels=labels,
-            fields=fields,
-            top_k=top_k,
-            cp_group=cp_group,
-            tp_group=getattr(output_layer, "tp_group", None),
-            sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
-            gather_logits=gather_logits,
-            chunk_size=chunk_size,
-            context_parallel_output_grad=context_parallel_output_grad,
+            labels,
+            cp,
+            groups.resolve_tensor_parallel_group(getattr(output_layer, "tp_group", None)),
+            bool(getattr(output_layer, "sequence_parallel", False)),
+            options,
+            option_keywords,
+            precheck=unsupported,
         )
 
     return output_processor

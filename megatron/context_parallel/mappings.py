@@ -1,48 +1,64 @@
-"""Autograd-aware mappings between CP-local shards and full source-order tensors.
+"""Autograd-aware mappings between parallel regions: the package's only communicating Functions.
 
-``gather_from_context_parallel_region`` packs every field of a rank's shard into one byte
-buffer, pads it to the plan's largest shard, runs ONE ``all_gather_into_tensor`` over the CP
-group and puts every received row at its source position (``ops.scatter_rows``).
-``scatter_to_context_parallel_region`` is its inverse. ``reduce_over_data_parallel`` is the
-reduction for anything computed from the gathered, CP-replicated outputs.
+Context-parallel (CP) region:
 
-Layout: private helpers, then the autograd Functions, then the public wrappers (the only
+* ``gather_from_context_parallel_region``: every field of a rank's shard is packed into one byte
+  buffer, padded to the plan's largest shard, all-gathered ONCE over the CP group, and every
+  received row is put at its source position (``ops.scatter_rows``). Backward: own rows.
+* ``scatter_to_context_parallel_region``: its inverse (no communication forward).
+* ``gather_padded_from_context_parallel_region``: the attention's K/V exchange, rows padded to
+  the plan's largest shard and left in slot order. Backward: reduce-scatter.
+
+Tensor-parallel (TP) region, for the vocab-parallel head:
+
+* ``copy_to_tensor_parallel_region``: identity forward, all-reduce backward.
+* ``gather_from_tensor_parallel_region``: all-gather along a dim forward, own slice backward.
+
+And ``reduce_over_data_parallel`` for anything computed from the gathered, CP-replicated outputs.
+
+Bad input: the two CP entry points exchange, before any data moves, every rank's verdict on its
+input and a description of its call (plan fingerprint, field structure, dtypes, trailing shapes,
+row widths, device kind) in one small all-gather on the group's collective device
+(``groups.agree``). Any problem on any rank, or any difference between ranks, raises the same
+``errors.InputError`` (a ``ValueError``) on every rank, on every call. The data collective runs
+only after that, so its sizes agree on every rank.
+
+Layout: private helpers, then the autograd Functions, then the lower-case wrappers (the only
 functions here that fall back to megatron-core's ``parallel_state`` groups).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.context_parallel import ops
-from megatron.context_parallel.groups import (
-    all_gather_single,
-    group_rank_and_size,
-    reduce_scatter_single,
-    resolve_context_parallel_group,
-    resolve_data_parallel_group,
-)
+from megatron.context_parallel import errors, groups, ops
 from megatron.context_parallel.plan import ContextParallelPlan
 
 __all__ = [
     "gather_from_context_parallel_region",
+    "gather_or_raise",
     "scatter_to_context_parallel_region",
+    "scatter_or_raise",
+    "gather_padded_from_context_parallel_region",
+    "copy_to_tensor_parallel_region",
+    "gather_from_tensor_parallel_region",
     "reduce_over_data_parallel",
 ]
 
-# Codes exchanged by the first-use agreement check, so every rank can name another's mistake.
-_OK, _BAD_ROWS, _BAD_INPUT = 0, 1, 2
+# Device kinds as exchanged between ranks.
+_DEVICE_KINDS = {"cpu": 1, "cuda": 2}
 
 
 # ---------------------------------------------------------------------------------------------
 # Structure: one tensor, or a dict / tuple / list of tensors, flattened to a list and rebuilt.
 
 
-def _flatten(local: Any) -> Tuple[List[torch.Tensor], Any]:
+def _flatten(local: Any) -> Tuple[List[Any], Any]:
     if isinstance(local, torch.Tensor):
         return [local], None
     if isinstance(local, dict):
@@ -50,9 +66,7 @@ def _flatten(local: Any) -> Tuple[List[torch.Tensor], Any]:
         return [local[k] for k in keys], ("dict", keys)
     if isinstance(local, (tuple, list)):
         return list(local), (type(local), len(local))
-    raise TypeError(
-        f"expected a tensor or a dict/tuple/list of tensors, got {type(local).__name__}"
-    )
+    raise errors.make("structure")
 
 
 def _unflatten(tensors: Sequence[torch.Tensor], spec: Any) -> Any:
@@ -64,121 +78,105 @@ def _unflatten(tensors: Sequence[torch.Tensor], spec: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation. Everything here runs before any collective.
+# Checks and the description of a call that ranks compare. Nothing here communicates.
 
 
-def _check_group_size(plan: ContextParallelPlan, size: int) -> None:
-    if not isinstance(plan, ContextParallelPlan):
-        raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
-    if size != plan.cp_size:
-        raise ValueError(f"the CP group has {size} ranks but the plan has cp_size {plan.cp_size}")
+def _check_fields(tensors: Sequence[Any], seq_dim: int, rank: int, plan, group, full: bool) -> None:
+    """Raises the first thing wrong with this rank's fields (an ``errors.InputError``).
 
-
-def _local_problem(
-    tensors: Sequence[torch.Tensor], plan: ContextParallelPlan, rank: int, seq_dim: int, rows: int
-) -> Optional[Tuple[int, str, Tuple[int, int]]]:
-    """The first thing wrong with this rank's fields: (code, message, numbers), or None.
-
-    ``rows`` is the row count every field must have along ``seq_dim``.
+    Every field must have ``plan.counts[rank]`` rows along ``seq_dim`` (``plan.seq_len`` for a
+    scatter's ``full`` tensor).
     """
     if len(tensors) == 0:
-        return _BAD_INPUT, "nothing to move: the structure holds no tensors", (0, 0)
+        raise errors.make("no_fields")
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
-            return _BAD_INPUT, f"field {i} is a {type(t).__name__}, not a tensor", (i, 0)
+            raise errors.make("not_a_tensor", i)
         if not -t.dim() <= seq_dim < t.dim():
-            return (
-                _BAD_INPUT,
-                f"seq_dim {seq_dim} is out of range for field {i} with {t.dim()} dims "
-                f"(shape {tuple(t.shape)})",
-                (seq_dim, t.dim()),
-            )
+            raise errors.make("seq_dim", seq_dim, i, t.dim())
     device = tensors[0].device
     for i, t in enumerate(tensors):
         if t.device != device:
-            return (
-                _BAD_INPUT,
-                f"fields are on different devices: field 0 on {device}, field {i} on {t.device}",
-                (0, i),
-            )
+            raise errors.make("devices", i)
+    if group is not None and groups.collective_device(group).type == "cuda":
+        if device.type != "cuda":
+            raise errors.make("backend_device")
+    rows = plan.seq_len if full else plan.counts[rank]
     for i, t in enumerate(tensors):
-        n = t.shape[seq_dim]
-        if n != rows:
-            return (
-                _BAD_ROWS,
-                f"field {i} has {n} rows along seq_dim {seq_dim} but the plan gives rank {rank} "
-                f"{rows} rows (plan counts {plan.counts})",
-                (n, rows),
-            )
-    return None
+        if t.shape[seq_dim] != rows:
+            if full:
+                raise errors.make("full_rows", t.shape[seq_dim], rows)
+            raise errors.make("rows", i, t.shape[seq_dim], rows, rank)
 
 
-def _structure_signature(tensors: Sequence[torch.Tensor], seq_dim: int) -> int:
-    """A hash of dtypes and trailing shapes: ranks must agree on it to exchange equal sizes."""
+def _row_bytes(t: torch.Tensor, seq_dim: int) -> int:
+    return math.prod(s for d, s in enumerate(t.shape) if d != seq_dim % t.dim()) * t.element_size()
+
+
+def _describe(
+    plan: ContextParallelPlan, tensors: Sequence[torch.Tensor], seq_dim: int, output_grad: bool
+) -> Tuple[int, ...]:
+    """The ints that every rank of a gather or scatter must share.
+
+    The plan's ``agreement_values``, the number of fields, the bytes per row of all fields,
+    a hash of every field's dtype, trailing shape and differentiability (which decides the
+    collectives of the backward), the normalised ``seq_dim``, the device kind, and the backward
+    mode.
+    """
+    seq = seq_dim % tensors[0].dim()
     text = repr(
         [
-            (str(t.dtype), tuple(s for d, s in enumerate(t.shape) if d != seq_dim % t.dim()))
+            (
+                str(t.dtype),
+                tuple(s for d, s in enumerate(t.shape) if d != seq),
+                t.requires_grad and torch.is_grad_enabled(),
+            )
             for t in tensors
         ]
     )
-    value = 0
-    for ch in text.encode():
-        value = (value * 1000003 + ch) & ((1 << 62) - 1)
-    return value
+    structure = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+    return plan.agreement_values() + (
+        len(tensors),
+        sum(_row_bytes(t, seq_dim) for t in tensors),
+        structure,
+        seq,
+        _DEVICE_KINDS.get(tensors[0].device.type, 3),
+        int(output_grad),
+    )
 
 
-def _ensure_agreement(
+_UNDESCRIBED = (0,) * 9
+
+
+def _agree_on_input(
+    problem: Optional[BaseException],
     plan: ContextParallelPlan,
     group,
-    rank: int,
-    size: int,
-    device: torch.device,
-    problem: Optional[Tuple[int, str, Tuple[int, int]]],
-    signature: int,
-) -> None:
-    """Raises the same ValueError on every rank when ranks disagree or one got bad input.
+    check: Callable[[int], Tuple[int, ...]],
+) -> int:
+    """Checks this rank's input, then ONE exchange; returns this rank's index in the group.
 
-    Runs one small all-gather the first time ``plan`` is used with ``group``; afterwards the
-    plan is trusted for that group and a bad input only raises on the rank that has it.
+    ``check(rank)`` raises on a problem and else returns the call's description
+    (``_describe``). Raises on every rank for any rank's problem (a caller's ``problem``
+    included) or any difference between the ranks' descriptions.
     """
-    verified = plan._verified_groups.get(id(group)) is group
-    if verified or size == 1:
-        if problem is not None:
-            raise ValueError(problem[1])
-        return
-    code, _, numbers = problem if problem is not None else (_OK, "", (0, 0))
-    mine = torch.tensor(
-        [plan.fingerprint, plan.seq_len, plan.cp_size, signature, code, numbers[0], numbers[1]],
-        dtype=torch.int64,
-    )
-    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_single(everyone, mine.to(device), group=group)
-    table = everyone.view(size, -1).cpu().tolist()
-    if problem is not None:
-        raise ValueError(problem[1])
-    for r, row in enumerate(table):
-        if row[4] == _BAD_ROWS:
-            raise ValueError(
-                f"rank {r} passed {row[5]} local rows but the plan gives it {row[6]} "
-                f"(plan counts {plan.counts})"
-            )
-        if row[4] != _OK:
-            raise ValueError(f"rank {r} rejected its input (its error names the problem)")
-    prints = [row[0] for row in table]
-    if len(set(prints)) != 1:
-        raise ValueError(
-            "ranks of the CP group use different plans: "
-            + "; ".join(
-                f"rank {r}: seq_len {row[1]}, cp_size {row[2]}, fingerprint {row[0]:#x}"
-                for r, row in enumerate(table)
-            )
-        )
-    if len({row[3] for row in table}) != 1:
-        raise ValueError(
-            "ranks of the CP group pass fields of different dtypes or trailing shapes "
-            f"(structure hashes {[hex(row[3]) for row in table]})"
-        )
-    plan._verified_groups[id(group)] = group
+    rank, description = 0, _UNDESCRIBED
+    if problem is None:
+        try:
+            if not isinstance(plan, ContextParallelPlan):
+                raise errors.make("not_a_plan")
+            rank = plan.rank_in(group)
+            description = check(rank)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of any problem
+            problem, description = exc, _UNDESCRIBED
+    rows = groups.agree(problem, group, description)
+    ContextParallelPlan.raise_unless_same(rows)
+    first = rows[0]
+    for row in rows[1:]:
+        if tuple(row[3:6]) != tuple(first[3:6]):
+            raise errors.make("fields_differ", first[3], row[3], first[4], row[4])
+    groups.raise_if_calls_differ(rows)
+    return rank
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,8 +202,8 @@ def _copy_columns(dst: torch.Tensor, off: int, src: torch.Tensor) -> None:
     dst.view(dtype)[:n, off // size : (off + width) // size].copy_(src.view(dtype))
 
 
-def _row_layout(fields: Sequence[torch.Tensor]) -> Tuple[List[int], List[int], List[int], int]:
-    """Byte layout of one packed row: (order, offsets, widths, total) over ``fields``.
+def _row_layout(fields: Sequence[torch.Tensor]) -> Tuple[List[int], List[int], int]:
+    """Byte layout of one packed row: (offsets, widths, total) over ``fields``.
 
     Fields whose width is a multiple of 16 bytes go first, widest first, so they start on
     16-byte boundaries and the scatter kernel can move them with 16-byte vectors.
@@ -224,7 +222,7 @@ def _row_layout(fields: Sequence[torch.Tensor]) -> Tuple[List[int], List[int], L
     pad = -total % 16
     if pad * 64 <= total:
         total += pad
-    return order, offsets, widths, total
+    return offsets, widths, total
 
 
 def _gather_rows_to_source_order(
@@ -232,13 +230,13 @@ def _gather_rows_to_source_order(
 ) -> List[torch.Tensor]:
     """Seq-first local fields ``[counts[rank], ...]`` -> seq-first full fields ``[seq_len, ...]``.
 
-    One ``all_gather_into_tensor`` for all fields (none when the group has one rank).
+    One all-gather for all fields (none when the group has one rank).
     """
     device = fields[0].device
     row_source = plan.row_source(device)
     if size == 1:
         return [ops.gather_rows(f, row_source) for f in fields]
-    _, offsets, widths, total = _row_layout(fields)
+    offsets, widths, total = _row_layout(fields)
     rows = plan.max_count
     n = fields[0].shape[0]
     if len(fields) == 1 and n == rows and fields[0].is_contiguous():
@@ -250,8 +248,7 @@ def _gather_rows_to_source_order(
             if width:
                 _copy_columns(send, off, _as_row_bytes(f))
     recv = torch.empty(size * rows, total, dtype=torch.uint8, device=device)
-    if recv.numel() > 0:
-        all_gather_single(recv, send, group=group)
+    groups.all_gather_into(recv, send, group)
     if plan.slots_in_source_order and len(fields) == 1 and total == widths[0]:
         # The all-gather already wrote every row at its source position: no reorder pass.
         return [recv.view(fields[0].dtype).view((plan.seq_len,) + tuple(fields[0].shape[1:]))]
@@ -272,7 +269,8 @@ def _reduce_scatter_to_local_rows(
     """Seq-first full gradients -> this rank's rows of their sum over the group.
 
     Only the owned rows travel: each gradient is laid out in the padded slot order, fields of
-    one dtype side by side, and one ``reduce_scatter_tensor`` per dtype sums them.
+    one dtype side by side, and one reduce-scatter per dtype (in the order of first appearance,
+    the same on every rank) sums them.
     """
     device = grads[0].device
     n = plan.counts[rank]
@@ -280,7 +278,7 @@ def _reduce_scatter_to_local_rows(
         return [ops.gather_rows(g, plan.local_positions(rank, device)) for g in grads]
     slots = plan.slot_positions(device)
     out: List[Optional[torch.Tensor]] = [None] * len(grads)
-    by_dtype: Dict[torch.dtype, List[int]] = {}
+    by_dtype: dict = {}
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
     for dtype, idx in by_dtype.items():
@@ -288,8 +286,7 @@ def _reduce_scatter_to_local_rows(
         full = torch.cat(flat, dim=1) if len(flat) > 1 else flat[0]
         padded = ops.gather_rows(full, slots)
         mine = torch.empty(plan.max_count, full.shape[1], dtype=dtype, device=device)
-        if mine.numel() > 0:
-            reduce_scatter_single(mine, padded, group=group)
+        groups.reduce_scatter_into(mine, padded, group)
         start = 0
         for i, f in zip(idx, flat):
             width = f.shape[1]
@@ -307,7 +304,7 @@ def _seq_back(t: torch.Tensor, seq_dim: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd Functions.
+# Autograd Functions: CP region.
 
 
 class _GatherFromContextParallelRegion(torch.autograd.Function):
@@ -318,6 +315,9 @@ class _GatherFromContextParallelRegion(torch.autograd.Function):
         ctx.plan, ctx.group, ctx.rank, ctx.size = plan, group, rank, size
         ctx.seq_dim, ctx.output_grad = seq_dim, output_grad
         ctx.floating = [t.is_floating_point() or t.is_complex() for t in tensors]
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.dtypes = [t.dtype for t in tensors]
+        ctx.device = tensors[0].device
         fields = [_seq_first(t, seq_dim) for t in tensors]
         outs = [
             _seq_back(o, seq_dim) for o in _gather_rows_to_source_order(fields, plan, group, size)
@@ -327,14 +327,22 @@ class _GatherFromContextParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        wanted = [
-            i
-            for i, (g, fl) in enumerate(zip(grads, ctx.floating))
-            if fl and g is not None and ctx.needs_input_grad[6 + i]
-        ]
+        # Which fields take part is decided by what every rank agreed on in the forward (their
+        # differentiability), never by which gradients happen to be None on this rank, so the
+        # reduce-scatters of output_grad=True are the same on every rank.
+        wanted = [i for i, fl in enumerate(ctx.floating) if fl and ctx.needs_input_grad[6 + i]]
+        if not ctx.output_grad:
+            wanted = [i for i in wanted if grads[i] is not None]
         result: List[Optional[torch.Tensor]] = [None] * len(grads)
         if wanted:
-            full = [_seq_first(grads[i], ctx.seq_dim) for i in wanted]
+            full = []
+            for i in wanted:
+                g = grads[i]
+                if g is None:
+                    shape = list(ctx.shapes[i])
+                    shape[ctx.seq_dim] = ctx.plan.seq_len
+                    g = torch.zeros(shape, dtype=ctx.dtypes[i], device=ctx.device)
+                full.append(_seq_first(g, ctx.seq_dim))
             if ctx.output_grad:
                 local = _reduce_scatter_to_local_rows(full, ctx.plan, ctx.group, ctx.rank, ctx.size)
             else:
@@ -361,8 +369,117 @@ class _ScatterToContextParallelRegion(torch.autograd.Function):
         return None, None, None, None, None, _seq_back(full, ctx.seq_dim)
 
 
+class _GatherPaddedFromContextParallelRegion(torch.autograd.Function):
+    """Forward: pad rows to ``max_count``, all-gather (slot order). Backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, local, group, size, max_count):
+        ctx.group, ctx.size, ctx.rows = group, size, local.shape[0]
+        tail = tuple(local.shape[1:])
+        # Zero padding, not uninitialised memory: consumers mask padding slots out, but a masked
+        # weight of 0 times a NaN from garbage would still poison a row.
+        send = local.new_zeros((max_count,) + tail)
+        send[: local.shape[0]] = local
+        if size == 1:
+            return send
+        out = local.new_empty((size * max_count,) + tail)
+        groups.all_gather_into(out, send, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.size == 1:
+            return grad[: ctx.rows], None, None, None
+        mine = grad.new_empty((grad.shape[0] // ctx.size,) + tuple(grad.shape[1:]))
+        groups.reduce_scatter_into(mine, grad, ctx.group)
+        return mine[: ctx.rows], None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd Functions: TP region.
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (sum) over TP.
+
+    Consumers that each see V/TP of the vocabulary contribute part of the input's gradient;
+    the all-reduce adds them up.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        groups.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along ``dim`` over TP. Backward: keep this rank's slice.
+
+    Every TP rank uses the gathered tensor alike (it computes the same thing from it), so each
+    rank's gradient of the gathered tensor is already complete: no reduction.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size, dim):
+        ctx.rank, ctx.dim, ctx.width = rank, dim, x.shape[dim]
+        # Gathered along dim 0 (the layout every backend accepts), then moved into place.
+        moved = x.movedim(dim, 0).contiguous()
+        parts = moved.new_empty((size * moved.shape[0],) + tuple(moved.shape[1:]))
+        groups.all_gather_into(parts, moved, group)
+        return parts.movedim(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.rank * ctx.width
+        return grad.narrow(ctx.dim, start, ctx.width).contiguous(), None, None, None, None
+
+
 # ---------------------------------------------------------------------------------------------
 # Public wrappers.
+
+
+def gather_or_raise(
+    local: Any,
+    plan: ContextParallelPlan,
+    group,
+    *,
+    seq_dim: int = 0,
+    context_parallel_output_grad: bool = False,
+    problem: Optional[BaseException] = None,
+) -> Any:
+    """``gather_from_context_parallel_region`` on an explicit group, sharing a caller's problem.
+
+    For callers with checks of their own (the output head): ``problem`` is the error those
+    checks found on this rank (or None). It travels in the gather's exchange, and every rank of
+    ``group`` then raises the first rank's error instead of moving data; ``local`` is ignored on
+    a rank with a problem. ``group`` may be None only outside a distributed job.
+    """
+    flat: List[Any] = [[], None]
+
+    def check(rank: int) -> Tuple[int, ...]:
+        flat[:] = _flatten(local)
+        _check_fields(flat[0], seq_dim, rank, plan, group, full=False)
+        return _describe(plan, flat[0], seq_dim, context_parallel_output_grad)
+
+    rank = _agree_on_input(problem, plan, group, check)
+    tensors, spec = flat
+    outs = _GatherFromContextParallelRegion.apply(
+        plan,
+        group,
+        rank,
+        plan.cp_size,
+        seq_dim % tensors[0].dim(),
+        bool(context_parallel_output_grad),
+        *tensors,
+    )
+    return _unflatten(list(outs), spec)
 
 
 def gather_from_context_parallel_region(
@@ -378,7 +495,7 @@ def gather_from_context_parallel_region(
     Args:
         local: this rank's shard: a tensor, or a dict / tuple / list of tensors sharing the local
             rows. Each has ``plan.counts[rank]`` rows along ``seq_dim``, any dtype and trailing
-            shape, all on one device. All fields move in ONE collective.
+            shape, all on one device. All fields move in ONE data collective.
         plan: the CP plan, identical on every rank of ``group``.
         group: the CP process group; None means megatron-core's
             ``parallel_state.get_context_parallel_group()`` (or a single rank outside a
@@ -388,7 +505,8 @@ def gather_from_context_parallel_region(
             the gathered tensors: rank r's input gradient is its own rows of its output gradient,
             with no communication and no scaling. True when the ranks' consumers differ (each
             computes part of the loss): output gradients are summed over the group (one
-            reduce-scatter per dtype) before each rank keeps its rows.
+            reduce-scatter per dtype) before each rank keeps its rows; then every rank must
+            backpropagate through the outputs.
 
     Returns:
         The same structure, each tensor of size ``plan.seq_len`` along ``seq_dim`` in source
@@ -396,38 +514,48 @@ def gather_from_context_parallel_region(
         not differentiable.
 
     Raises:
-        ValueError: group size != ``plan.cp_size``, seq_dim out of range, fields with different
-            devices or row counts, a row count != the plan's count for this rank, or ranks whose
-            plans differ (checked the first time a plan is used with a group). Raised before any
-            data collective; on every rank when the plan is new to the group.
-        TypeError: ``local`` is not a tensor or a dict / tuple / list of tensors.
+        errors.InputError (a ValueError; ``InputTypeError`` is a TypeError too): on EVERY rank
+            alike, before any data moves, when any rank passes something wrong (a structure that
+            is not a tensor or a dict / tuple / list of tensors, a field that is not a tensor,
+            ``seq_dim`` out of range, fields on different devices, CPU tensors on an NCCL group,
+            a row count other than the plan's, a group whose size is not ``plan.cp_size``), or
+            when ranks differ (plans, number of fields, dtypes, trailing shapes,
+            differentiability, ``seq_dim``, device kind, backward mode). One small all-gather
+            of int64 on the group's collective device carries these checks on every call.
     """
-    tensors, spec = _flatten(local)
-    group = resolve_context_parallel_group(group)
-    rank, size = group_rank_and_size(group)
-    _check_group_size(plan, size)
-    problem = _local_problem(tensors, plan, rank, seq_dim, plan.counts[rank])
-    if (
-        problem is not None
-        and problem[0] == _BAD_INPUT
-        and not all(isinstance(t, torch.Tensor) for t in tensors)
-    ):
-        raise TypeError(problem[1])
-    device = (
-        tensors[0].device if problem is None or problem[0] == _BAD_ROWS else torch.device("cpu")
-    )
-    signature = _structure_signature(tensors, seq_dim) if problem is None else 0
-    _ensure_agreement(plan, group, rank, size, device, problem, signature)
-    outs = _GatherFromContextParallelRegion.apply(
+    return gather_or_raise(
+        local,
         plan,
-        group,
-        rank,
-        size,
-        seq_dim % tensors[0].dim(),
-        bool(context_parallel_output_grad),
-        *tensors,
+        groups.resolve_context_parallel_group(group),
+        seq_dim=seq_dim,
+        context_parallel_output_grad=context_parallel_output_grad,
     )
-    return _unflatten(list(outs), spec)
+
+
+def scatter_or_raise(
+    full: torch.Tensor,
+    plan: ContextParallelPlan,
+    group,
+    *,
+    seq_dim: int = 0,
+    problem: Optional[BaseException] = None,
+) -> torch.Tensor:
+    """``scatter_to_context_parallel_region`` on an explicit group, sharing a caller's problem.
+
+    ``problem`` works as in ``gather_or_raise``: a model entry point passes what its own checks
+    found, so every rank raises it before any rank starts the forward's collectives.
+    """
+
+    def check(rank: int) -> Tuple[int, ...]:
+        if not isinstance(full, torch.Tensor):
+            raise errors.make("not_a_tensor", 0)
+        _check_fields([full], seq_dim, rank, plan, group, full=True)
+        return _describe(plan, [full], seq_dim, False)
+
+    rank = _agree_on_input(problem, plan, group, check)
+    return _ScatterToContextParallelRegion.apply(
+        plan, group, rank, plan.cp_size, seq_dim % full.dim(), full
+    )
 
 
 def scatter_to_context_parallel_region(
@@ -449,26 +577,54 @@ def scatter_to_context_parallel_region(
         ``[..., plan.counts[rank], ...]``: the rows at ``plan.local_positions(rank)``. Its
         gradient is all-gathered (one collective) into the full input's gradient, so a batch
         sharded by a plan passes gradients back to the full input; rows no rank owns get zero.
+
+    Raises:
+        errors.InputError: on every rank alike (one small exchange, as for the gather), for a
+            tensor that is not ``plan.seq_len`` long along ``seq_dim`` on some rank, or any
+            difference between ranks (plans, dtypes, trailing shapes, ``seq_dim``).
     """
-    if not isinstance(full, torch.Tensor):
-        raise TypeError(f"full must be a tensor, got {type(full).__name__}")
-    group = resolve_context_parallel_group(group)
-    rank, size = group_rank_and_size(group)
-    _check_group_size(plan, size)
-    problem = _local_problem([full], plan, rank, seq_dim, plan.seq_len)
-    if problem is not None and problem[0] == _BAD_ROWS:
-        problem = (
-            _BAD_INPUT,
-            f"full has {problem[2][0]} rows along seq_dim {seq_dim} but the plan's seq_len is "
-            f"{plan.seq_len}",
-            problem[2],
-        )
-    device = full.device if problem is None else torch.device("cpu")
-    signature = _structure_signature([full], seq_dim) if problem is None else 0
-    _ensure_agreement(plan, group, rank, size, device, problem, signature)
-    return _ScatterToContextParallelRegion.apply(
-        plan, group, rank, size, seq_dim % full.dim(), full
+    return scatter_or_raise(
+        full, plan, groups.resolve_context_parallel_group(group), seq_dim=seq_dim
     )
+
+
+def gather_padded_from_context_parallel_region(
+    local: torch.Tensor, max_count: int, group
+) -> torch.Tensor:
+    """Forward: pad to ``max_count`` rows and all-gather over CP; backward: reduce-scatter, unpad.
+
+    Args:
+        local: ``[n, ...]`` with ``n <= max_count`` (this rank's rows in plan order).
+        max_count: the plan's largest shard; every rank must pass the same.
+        group: the CP group (None: one rank).
+
+    Returns:
+        ``[cp_size * max_count, ...]`` in slot order (rank r's row i at ``r * max_count + i``),
+        padding rows zero. Gradient: the sum over ranks of each slot's gradient, this rank's
+        ``n`` rows kept (the keys and values of every rank's queries reach their owner).
+
+    No exchange: the caller (attention inside a model) has rows fixed by an agreed plan.
+    """
+    _, size = groups.group_rank_and_size(group)
+    return _GatherPaddedFromContextParallelRegion.apply(local, group, size, max_count)
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward: identity; backward: all-reduce (sum) over the TP group (None or one rank: none)."""
+    if groups.group_rank_and_size(group)[1] == 1:
+        return x
+    return _CopyToTensorParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Forward: all-gather along ``dim`` over TP (rank order); backward: keep own slice.
+
+    Runs on every rank whatever ``x``'s size (zero rows included), so TP peers never wait.
+    """
+    rank, size = groups.group_rank_and_size(group)
+    if size == 1:
+        return x
+    return _GatherFromTensorParallelRegion.apply(x, group, rank, size, dim % x.dim())
 
 
 def reduce_over_data_parallel(
@@ -479,9 +635,10 @@ def reduce_over_data_parallel(
     """All-reduce over the pure data-parallel group; for values computed from gathered outputs.
 
     Outputs gathered with ``gather_from_context_parallel_region`` are identical on every CP rank,
-    so a loss or metric computed from them must not be summed over CP again: reduce it over the
+    so a per-rank mean computed from them must not be averaged over CP again: reduce it over the
     data-parallel group without CP (``get_data_parallel_group(with_context_parallel=False)``
-    when ``group`` is None).
+    when ``group`` is None). (A ``[sum, count]`` pair may be reduced over DP x CP too: both
+    grow by ``cp_size`` and the ratio stays exact.)
 
     Args:
         tensor: any tensor; it is not modified.
@@ -495,9 +652,8 @@ def reduce_over_data_parallel(
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a tensor, got {type(tensor).__name__}")
-    group = resolve_data_parallel_group(group)
+    group = groups.resolve_data_parallel_group(group)
     out = tensor.detach().clone()
-    _, size = group_rank_and_size(group)
-    if size > 1:
-        dist.all_reduce(out, op=op, group=group)
+    if groups.group_rank_and_size(group)[1] > 1:
+        groups.all_reduce(out, group, op)
     return out

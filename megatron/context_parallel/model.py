@@ -44,14 +44,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron.context_parallel import groups
 from megatron.context_parallel.attention import (
     ContextParallelAttention,
     ContextParallelParams,
     ContextParallelSelfAttention,
     default_position_ids,
 )
-from megatron.context_parallel.groups import group_rank_and_size, resolve_context_parallel_group
-from megatron.context_parallel.head import ForwardOutput, make_output_processor
+from megatron.context_parallel.head import ForwardOutput, OutputOptions, make_output_processor
 from megatron.context_parallel.plan import ContextParallelPlan, as_cu_seqlens
 from megatron.context_parallel.rotary import megatron_rotary_is_exact, rotary_table_length
 
@@ -393,16 +393,16 @@ def context_parallel_batch(
     cu_seqlens: Optional[Union[Sequence[int], Tensor]] = None,
     plan: Optional[ContextParallelPlan] = None,
     cp_group: Optional[dist.ProcessGroup] = None,
-    fields: Union[str, Sequence[str]] = ("hidden_states",),
-    top_k: int = 0,
-    gather_logits: bool = True,
-    chunk_size: int = 512,
-    context_parallel_output_grad: bool = False,
+    options: Optional[OutputOptions] = None,
+    **option_keywords: Any,
 ) -> ContextParallelBatch:
     """Everything ``GPTModel.forward`` needs on this rank to run one packed batch under CP.
 
     Every rank of the CP group (and every pipeline stage) calls it with the same full batch.
-    No collective runs here: the local rows are picked on the host side of the plan.
+    The local rows are picked on the host side of the plan; the only communication is one
+    small exchange over the CP group (and the TP group, when it has several ranks) in which
+    the ranks compare their plans and calls and share any rank's bad input, so that the
+    model's own collectives run only on rows every rank agrees on.
 
     Args:
         model: a megatron-core ``GPTModel`` or one pipeline stage of it, possibly wrapped
@@ -421,8 +421,9 @@ def context_parallel_batch(
             cp, cu_seqlens)``.
         cp_group: the CP group; default the model's (``pg_collection.cp``), else megatron-core's
             ``parallel_state`` one.
-        fields, top_k, gather_logits, chunk_size, context_parallel_output_grad: the output
-            options of ``megatron.context_parallel.head.compute_forward_output``.
+        options: an ``OutputOptions`` for the ``ForwardOutput``; or pass its fields
+            (``fields``, ``top_k``, ``gather_logits``, ``chunk_size``,
+            ``context_parallel_output_grad``) as keywords, as to ``compute_forward_output``.
 
     Returns:
         A ``ContextParallelBatch``; ``model(**batch.forward_kwargs())`` returns the
@@ -430,21 +431,59 @@ def context_parallel_batch(
         rank's, plan order) on the others.
 
     Raises:
-        ValueError / TypeError: malformed inputs; a plan whose ``seq_len`` or ``cp_size`` does
-            not match; ``cu_seqlens`` that disagree with the plan's; an unsupported model
-            feature (MLA, YaRN / mRoPE, MuP); a plan the model's attention modules cannot run
-            correctly (the message names the plan and the module). All decided from the
-            arguments and the plan alone, so every rank given the same batch raises alike.
+        ValueError / TypeError, on every rank of the CP (and TP) group alike: malformed inputs;
+            a plan whose ``seq_len`` or ``cp_size`` does not match; ``cu_seqlens`` that disagree
+            with the plan's; bad output options; an unsupported model feature (MLA, YaRN /
+            mRoPE, MuP); a plan the model's attention modules cannot run correctly (the message
+            names the plan and the module); ranks whose plans or calls differ. A rank that
+            found the problem itself raises its own message; its peers raise an
+            ``InputError`` naming that rank. Pipeline stages are not in the exchange: a stage
+            waiting for a failed one is released by the process group's timeout.
     """
     gpt = _unwrap(model)
+    pgs = getattr(gpt, "pg_collection", None)
+    if cp_group is None:
+        cp_group = getattr(pgs, "cp", None) if pgs is not None else None
+        if cp_group is None:
+            cp_group = groups.resolve_context_parallel_group(None)
+    tp_group = getattr(pgs, "tp", None) if pgs is not None else None
+    problem: Optional[BaseException] = None
+    batch: Optional[ContextParallelBatch] = None
+    call = (0,) * _CALL_VALUES
+    try:
+        batch, call = _prepare_batch(
+            gpt,
+            input_ids,
+            labels,
+            position_ids,
+            cu_seqlens,
+            plan,
+            cp_group,
+            tp_group,
+            OutputOptions.resolve(options, option_keywords),
+        )
+    except (ValueError, TypeError) as exc:
+        problem = exc
+    _agree(problem, call, cp_group, tp_group)
+    return batch
+
+
+# (plan fingerprint, seq_len, cp_size), the output options (4), cu_seqlens hash, backend,
+# whether labels were given, whether input ids were given.
+_CALL_VALUES = 3 + 4 + 4
+_BACKEND_CODES = {_SOURCE: 1, _MEGATRON_ROTARY: 2, _TE: 3, _LOCAL: 4, _NO_LAYERS: 5}
+
+
+def _prepare_batch(
+    gpt, input_ids, labels, position_ids, cu_seqlens, plan, cp_group, tp_group, options
+) -> Tuple[ContextParallelBatch, Tuple[int, ...]]:
+    """The batch and the ints that describe the call; local work only, raises on bad input."""
     _check_model(gpt)
     config = gpt.config
-    pre_process = getattr(gpt, "pre_process", True)
-
     if input_ids is not None:
         input_ids = _as_sequence(input_ids, "input_ids")
         seq_len, device = input_ids.shape[0], input_ids.device
-    elif pre_process:
+    elif getattr(gpt, "pre_process", True):
         raise ValueError("input_ids are needed on the first pipeline stage (it embeds them)")
     elif plan is None:
         raise ValueError("without input_ids (a later pipeline stage) the plan must be given")
@@ -453,15 +492,8 @@ def context_parallel_batch(
         device = next(gpt.parameters()).device
     if labels is not None:
         labels = _as_sequence(labels, "labels", seq_len)
-
-    pgs = getattr(gpt, "pg_collection", None)
-    if cp_group is None:
-        cp_group = getattr(pgs, "cp", None) if pgs is not None else None
-        if cp_group is None:
-            cp_group = resolve_context_parallel_group(None)
-    cp_rank, cp_size = group_rank_and_size(cp_group)
-    tp_group = getattr(pgs, "tp", None) if pgs is not None else None
-    tp_size = tp_group.size() if tp_group is not None else config.tensor_model_parallel_size
+    cp_rank, cp_size = groups.group_rank_and_size(cp_group)
+    tp_size = groups.group_rank_and_size(tp_group)[1] if tp_group is not None else 1
 
     cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
     plan, cu = _resolve_plan(plan, seq_len, cp_size, cu)
@@ -505,17 +537,8 @@ def context_parallel_batch(
     elif backend == _TE and cu is not None:
         packed = _te_thd_params(cu, cp_group, device)
 
-    processor = make_output_processor(
-        plan,
-        labels=labels,
-        fields=fields,
-        top_k=top_k,
-        cp_group=cp_group,
-        gather_logits=gather_logits,
-        chunk_size=chunk_size,
-        context_parallel_output_grad=context_parallel_output_grad,
-    )
-    return ContextParallelBatch(
+    processor = make_output_processor(plan, labels=labels, cp_group=cp_group, options=options)
+    batch = ContextParallelBatch(
         input_ids=None if local_ids is None else local_ids[None],
         position_ids=local_positions[None],
         attention_mask=attention_mask,
@@ -525,6 +548,37 @@ def context_parallel_batch(
         cp_size=cp_size,
         padding_rows=padding,
     )
+    call = (
+        *plan.agreement_values(),
+        *options.describe(),
+        0 if cu is None else hash(cu) & ((1 << 62) - 1),  # tuples of ints hash alike everywhere
+        _BACKEND_CODES[backend],
+        int(labels is not None),
+        int(input_ids is not None),
+    )
+    return batch, call
+
+
+def _agree(problem: Optional[BaseException], call, cp_group, tp_group) -> None:
+    """One exchange over TP (when it has several ranks), one over CP: every rank raises when
+    any rank's input was bad or the ranks' plans or calls differ; none runs on alone.
+
+    A rank raises its own error when it found one (the detailed message), else the first bad
+    rank's ``InputError``.
+    """
+    first = None
+    if tp_group is not None and groups.group_rank_and_size(tp_group)[1] > 1:
+        first, rows = groups.find_problem(problem, tp_group, call)
+        first = first or groups.first_difference(rows)
+    first, rows = groups.find_problem(first or problem, cp_group, call)
+    if first is None:
+        # Every rank sees every row: all raise alike, or none.
+        ContextParallelPlan.raise_unless_same(rows)
+        groups.raise_if_calls_differ(rows)
+        return
+    if problem is not None:
+        raise problem
+    raise first
 
 
 def context_parallel_forward(
@@ -543,8 +597,9 @@ def context_parallel_forward(
 
     Args:
         model, input_ids, labels, **options: as ``context_parallel_batch`` (``position_ids``,
-            ``cu_seqlens``, ``plan``, ``cp_group``, ``fields``, ``top_k``, ``gather_logits``,
-            ``chunk_size``, ``context_parallel_output_grad``).
+            ``cu_seqlens``, ``plan``, ``cp_group``, and the output options: ``options=`` an
+            ``OutputOptions``, or its fields ``fields``, ``top_k``, ``gather_logits``,
+            ``chunk_size``, ``context_parallel_output_grad`` as keywords).
 
     Returns:
         ``ForwardOutput`` over all ``S`` positions in the caller's order (``plan`` attached) on

@@ -21,6 +21,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron.context_parallel import errors
+
 __all__ = ["ContextParallelPlan"]
 
 PositionsLike = Union[Sequence[int], torch.Tensor]
@@ -87,7 +89,6 @@ class ContextParallelPlan:
         "cu_seqlens",
         "fingerprint",
         "_device_cache",
-        "_verified_groups",
         "slots_in_source_order",
     )
 
@@ -115,7 +116,6 @@ class ContextParallelPlan:
         object.__setattr__(self, "cu_seqlens", cu_seqlens)
         object.__setattr__(self, "fingerprint", self._compute_fingerprint())
         object.__setattr__(self, "_device_cache", {})
-        object.__setattr__(self, "_verified_groups", {})
         object.__setattr__(self, "slots_in_source_order", self._slots_are_positions())
 
     def __setattr__(self, name, value):
@@ -222,8 +222,9 @@ class ContextParallelPlan:
     ) -> "ContextParallelPlan":
         """Collective: each rank passes its own positions; every rank gets the same plan.
 
-        Two small all-gathers over ``group`` (counts, then padded positions). The plan is marked
-        as verified for ``group``, so its first gather needs no agreement check.
+        Two small all-gathers over ``group`` (counts and ``seq_len``, then the padded
+        positions), both on the group's collective device. A rank whose positions are not a
+        1-D integer list raises on every rank, as does any plan error (a position owned twice).
 
         Args:
             local_positions: this rank's source positions in local row order.
@@ -231,33 +232,30 @@ class ContextParallelPlan:
             seq_len: full length; defaults to the largest position of any rank + 1. Must be the
                 same on every rank when given.
         """
-        import torch.distributed as dist
+        from megatron.context_parallel import groups
 
-        from megatron.context_parallel.groups import all_gather_single, collective_device
-
-        mine = _as_positions(local_positions, "local_positions")
-        size = dist.get_world_size(group)
-        device = collective_device(group)
-        count = torch.tensor([mine.numel(), -1 if seq_len is None else seq_len], device=device)
-        counts = torch.empty(size * 2, dtype=torch.int64, device=device)
-        all_gather_single(counts, count, group=group)
-        counts = counts.view(size, 2).cpu()
-        seq_lens = set(counts[:, 1].tolist())
-        if len(seq_lens) != 1:
-            raise ValueError(
-                f"from_local_positions: ranks passed different seq_len values "
-                f"{counts[:, 1].tolist()} (-1 = None)"
-            )
-        longest = int(counts[:, 0].max())
+        problem, mine = None, torch.zeros(0, dtype=torch.int64)
+        try:
+            mine = _as_positions(local_positions, "local_positions")
+            if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
+                raise ValueError(f"seq_len must be an int, got {seq_len!r}")
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            problem = exc
+        size = groups.group_rank_and_size(group)[1]
+        given = -1 if seq_len is None or problem is not None else seq_len
+        rows = groups.agree(problem, group, (mine.numel(), given))
+        groups.raise_if_calls_differ([row[1:] for row in rows])
+        longest = max(row[0] for row in rows)
+        device = groups.collective_device(group)
         padded = torch.full((longest,), -1, dtype=torch.int64)
         padded[: mine.numel()] = mine
         everyone = torch.empty(size * longest, dtype=torch.int64, device=device)
-        all_gather_single(everyone, padded.to(device), group=group)
+        groups.all_gather_into(everyone, padded.to(device), group)
         everyone = everyone.view(size, longest).cpu()
-        rank_positions = [everyone[r, : int(counts[r, 0])].clone() for r in range(size)]
-        plan = cls.from_rank_positions(rank_positions, seq_len)
-        plan._verified_groups[id(group)] = group
-        return plan
+        rank_positions = [everyone[r, : rows[r][0]].clone() for r in range(size)]
+        # Every rank builds the plan from the same numbers, so any error here is the same
+        # error on every rank.
+        return cls.from_rank_positions(rank_positions, seq_len)
 
     # ------------------------------------------------------------------ queries
 
@@ -283,6 +281,65 @@ class ContextParallelPlan:
     def owned_mask(self) -> torch.Tensor:
         """bool ``[seq_len]`` (CPU): True where some rank owns the position."""
         return self.row_source("cpu") >= 0
+
+    def rank_in(self, group) -> int:
+        """This process's rank in ``group`` (a CP group of ``cp_size`` ranks; None = one rank).
+
+        The one check that a group fits a plan, used by every mapping.
+
+        Raises:
+            errors.InputError: the group's size is not ``cp_size``.
+        """
+        from megatron.context_parallel.groups import group_rank_and_size
+
+        rank, size = group_rank_and_size(group)
+        if size != self.cp_size:
+            raise errors.make("group_size", size, self.cp_size)
+        return rank
+
+    def rank_in_single(self) -> int:
+        """0, for a caller that runs as the only rank; raises when ``cp_size`` is not 1."""
+        if self.cp_size != 1:
+            raise errors.make("group_size", 1, self.cp_size)
+        return 0
+
+    def agreement_values(self) -> Tuple[int, int, int]:
+        """``(fingerprint, seq_len, cp_size)``: what ranks compare to know they share a plan."""
+        return (self.fingerprint, self.seq_len, self.cp_size)
+
+    @staticmethod
+    def raise_unless_same(rows: Sequence[Sequence[int]]) -> None:
+        """Raises ``plans_differ`` on every rank when the ranks' ``agreement_values`` differ.
+
+        Args:
+            rows: every rank's ``agreement_values()`` (as exchanged), in rank order.
+        """
+        first = tuple(rows[0][:3])
+        for row in rows[1:]:
+            if tuple(row[:3]) != first:
+                raise errors.make("plans_differ", first[1], row[1], first[2], row[2])
+
+    def verify(self, group) -> "ContextParallelPlan":
+        """Collective: checks that every rank of ``group`` holds this same plan; returns self.
+
+        One small all-gather (fingerprint, ``seq_len``, ``cp_size`` and any local problem) on
+        the group's collective device. Idempotent and stateless: it may be called any number of
+        times, and every call of a mapping makes the same check inside its own exchange, so
+        calling it is only a way to fail early (say, right after building the plans).
+
+        Raises:
+            errors.InputError: on every rank alike, when the group's size is not ``cp_size`` on
+                some rank or the ranks' plans differ.
+        """
+        from megatron.context_parallel import groups
+
+        problem = None
+        try:
+            self.rank_in(group)
+        except errors.InputError as exc:
+            problem = exc
+        self.raise_unless_same(groups.agree(problem, group, self.agreement_values()))
+        return self
 
     @property
     def sequence_lengths(self) -> Tuple[int, ...]:
