@@ -47,8 +47,7 @@ def _cpu_device(kwargs: dict) -> dict:
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cuda":
         kwargs["device"] = "cpu"
-    if kwargs.get("pin_memory"):
-        kwargs["pin_memory"] = False
+    kwargs.pop("pin_memory", None)  # no pinned allocator without CUDA
     return kwargs
 
 

@@ -82,7 +82,7 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 def _cached_default_plan(
     seq_len: int, cp_size: int, cu_seqlens: Optional[Tuple[int, ...]]
 ) -> ContextParallelPlan:
-    # Cached so a repeated batch shape reuses a plan object already verified for the group.
+    # Cached: a repeated batch shape reuses its plan (and the plan's device index tensors).
     if cu_seqlens is not None:
         lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
         if all(n % (2 * cp_size) == 0 for n in lengths):
