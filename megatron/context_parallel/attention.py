@@ -126,8 +126,9 @@ class ContextParallelParams(PackedSeqParams):
             empty rank: 0); ``rows = counts[rank] + padding_rows``.
         rotary_pos_emb: fp32 ``[rows, 1, 1, dim]``, the model's rotary rows at ``position_ids``,
             or None when built without ``rotary`` (models without rotary embeddings).
-        source_position_ids: int64 ``[seq_len]`` CPU, the position ids of the whole batch in
-            source order (to tell whether megatron-core's own rotary table is exact).
+        source_position_ids: int ``[seq_len]``, the position ids of the whole batch in source
+            order, as given (read on the host only to tell whether megatron-core's own rotary
+            table is exact, ``megatron_rotary_exact``).
         padding_rows: 1 when this rank owns no position, else 0. megatron-core's layers cannot
             run zero rows, so an empty rank runs one padding row that attends to nothing and
             that no query sees (its slot is padding); the batch adds it to the input and the
