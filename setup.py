@@ -84,7 +84,7 @@ def _extensions(build: bool):
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={
             "cxx": ["-O3"],
-            "nvcc": ["-O3", "--use_fast_math", "-Xptxas=-v"],
+            "nvcc": ["-O3"],
         },
     )
     return [ext], {"build_ext": BuildExtension}

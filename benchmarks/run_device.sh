@@ -108,8 +108,8 @@ fi
 if [[ "$mode" == all || "$mode" == tune ]]; then
   echo "== tuning: most threads per row (hidden states CP 4 and logits, kernel only)"
   for t in 32 64 128 256; do
-    echo "-- MCP_ROW_COPY_MAX_THREADS_PER_ROW=$t"
-    MCP_ROW_COPY_MAX_THREADS_PER_ROW=$t timeout 120 "$py" benchmarks/bench_kernels.py --quick \
-      --with-logits --ours-only --reps 200 2>&1 | grep scatter_rows
+    echo "-- --max-threads-per-row $t"
+    timeout 120 "$py" benchmarks/bench_kernels.py --quick --with-logits --ours-only --reps 200 \
+      --max-threads-per-row "$t" 2>&1 | grep scatter_rows
   done 2>&1 | tee "$out/tune.log"
 fi

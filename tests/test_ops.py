@@ -100,6 +100,19 @@ def test_gather_rows_strided_views():
         assert torch.equal(ops.gather_rows(src, index), _ref_gather(src.contiguous(), index))
 
 
+def test_scatter_rows_thread_cap_is_checked_and_moves_the_same_bytes():
+    gen = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (9, 44), generator=gen, dtype=torch.uint8)
+    row_source = random_index(15, 9, gen)
+    want = ops.scatter_rows(packed, row_source, [0, 32], [32, 12])
+    for cap in (1, 64, 256):
+        got = ops.scatter_rows(packed, row_source, [0, 32], [32, 12], max_threads_per_row=cap)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for bad in (0, 3, 512, -64, True, 64.0):
+        with pytest.raises(ValueError, match="power of two in \\[1, 256\\]"):
+            ops.scatter_rows(packed, row_source, [0, 32], [32, 12], max_threads_per_row=bad)
+
+
 def test_gather_rows_gradient_sums_repeated_rows():
     gen = torch.Generator().manual_seed(4)
     src = torch.randn(6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -141,6 +154,11 @@ def test_opcheck_cpu():
     row_source = random_index(12, 8, gen)
     torch.library.opcheck(
         torch.ops.megatron_cp.scatter_rows.default, (packed, row_source, [0, 32], [32, 6])
+    )
+    torch.library.opcheck(
+        torch.ops.megatron_cp.scatter_rows.default,
+        (packed, row_source, [0, 32], [32, 6]),
+        {"max_threads_per_row": 32},
     )
     src = torch.randn(9, 4, generator=gen, requires_grad=True)
     index = random_index(7, 9, gen)
