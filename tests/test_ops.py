@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from _rows import DTYPES, random_index
 
 from megatron.context_parallel import _extension, ops
+from megatron.context_parallel._env import env_flag
 
 
 def _random(shape, dtype, gen):
@@ -187,13 +189,23 @@ def test_ops_trace_under_torch_compile():
         assert torch.equal(got, want)
 
 
-def test_extension_status_on_cpu_torch():
+def test_extension_status_matches_this_install():
+    """The real outcome in this environment (every outcome's logic: test_env.py).
+
+    On a CPU torch nothing can load. On a CUDA torch a built extension must load: "broken"
+    fails here, as it should, and so does a missing one when MCP_REQUIRE_EXTENSION is on (the
+    import of ``ops`` would already have raised).
+    """
     outcome, reason = _extension.status()
+    assert ops.has_cuda_kernels() == (outcome == "loaded")
     if torch.version.cuda is None:
-        assert outcome == "not built" and "without CUDA" in reason
-        assert not ops.has_cuda_kernels()
+        assert (outcome, reason) == ("not built", "torch was built without CUDA")
+    elif env_flag("MCP_DISABLE_EXTENSION"):
+        assert (outcome, reason) == ("not built", "disabled by MCP_DISABLE_EXTENSION")
+    elif importlib.util.find_spec("megatron.context_parallel._C") is None:
+        assert outcome == "not built" and "without its CUDA extension" in reason
     else:
-        assert outcome in ("loaded", "not built", "broken")
+        assert outcome == "loaded", reason
 
 
 def test_fallback_warns_once(monkeypatch):
