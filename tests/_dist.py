@@ -193,8 +193,9 @@ def run_distributed(
     try:
         reporting = [r for r in range(world_size) if r not in lost]
         results, failures, missing = _collect(outbox, procs, reporting, timeout, fn.__name__)
-        # Hung and lost ranks will not end by themselves: no point waiting for them.
-        for r in missing | lost:
+        # Hung and lost ranks will not end by themselves: no point waiting for them. Hung ones
+        # first, so that killing a lost rank cannot wake them up to report late.
+        for r in sorted(missing) + sorted(lost - missing):
             procs[r].kill()
             procs[r].join()
         if lost:
@@ -204,7 +205,8 @@ def run_distributed(
                     rank, _, _ = outbox.get(timeout=0.2)
                 except queue_module.Empty:
                     break
-                failures.append((rank, f"rank {rank} reported, but it was expected to be lost"))
+                if rank in lost:
+                    failures.append((rank, f"rank {rank} reported, but it was expected to be lost"))
     finally:
         _stop(procs)
     _raise_failures(failures)
