@@ -208,10 +208,22 @@ def test_extension_status_matches_this_install():
         assert outcome == "loaded", reason
 
 
-def test_fallback_warns_once(monkeypatch):
+@pytest.mark.skipif(ops.has_cuda_kernels(), reason="the compiled kernels replace the fallback")
+def test_cuda_fallback_warns_once_and_moves_the_same_bytes(monkeypatch):
+    """The functions registered for CUDA tensors when the kernels are missing, called directly
+    (this machine may have no GPU): one warning for the process, the CPU results. The dispatch
+    of real CUDA tensors to them is tested on a GPU (test_ops_cuda.py)."""
     monkeypatch.setattr(_extension, "_fallback_warned", False)
+    gen = torch.Generator().manual_seed(8)
+    packed = torch.randint(0, 256, (9, 37), generator=gen, dtype=torch.uint8)
+    index = torch.tensor([3, -1, 8, 0, 0, 5])
+    src = torch.randn(9, 7, generator=gen).bfloat16()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _extension.warn_fallback_once("gather_rows")
-        _extension.warn_fallback_once("gather_rows")
-    assert len(caught) == 1 and "torch indexing" in str(caught[0].message)
+        for _ in range(3):
+            rows = ops._scatter_rows_fallback(packed, index, [0, 32], [32, 5])
+            picked = ops._gather_rows_fallback(src, index)
+    assert len([w for w in caught if "torch indexing" in str(w.message)]) == 1
+    want = ops.scatter_rows(packed, index, [0, 32], [32, 5])
+    assert all(torch.equal(a, b) for a, b in zip(rows, want))
+    assert torch.equal(picked, ops.gather_rows(src, index))
