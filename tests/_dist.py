@@ -35,7 +35,7 @@ __all__ = ["run_distributed", "DistributedPool", "WorkerError"]
 
 # A rank whose process ended is given this long for its last report to arrive through the
 # queue's pipe before it counts as having died without reporting.
-_EXIT_GRACE_S = 2.0
+_EXIT_GRACE_S = 1.0
 
 
 class WorkerError(AssertionError):
