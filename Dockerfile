@@ -13,6 +13,9 @@
 # (megatron-core 0.19 needs Python >= 3.12), with TransformerEngine, apex and flash-attn.
 # Those four come from the base image and are never reinstalled: docker/install.sh installs
 # without dependencies and fails if any of their versions changes.
+#
+# Development checkouts and CI install with scripts/install_dev.sh (`make install`), which runs
+# the same docker/install.sh into a .venv with the test tools.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch
 ARG BASE_TAG=25.12-py3
 FROM ${BASE_IMAGE}:${BASE_TAG}

@@ -1,5 +1,6 @@
-# Two entry points, each installing what it needs into .venv first (scripts/install_dev.sh).
-.PHONY: demo test install
+# Every target first installs what it needs into .venv with scripts/install_dev.sh, the one
+# install recipe. CI (.ci/run, on a fresh clone) runs: make install lint check-kernels test
+.PHONY: install demo lint check-kernels test
 
 install:
 	bash scripts/install_dev.sh
@@ -9,5 +10,16 @@ install:
 demo: install
 	.venv/bin/python examples/cp_probe.py
 
+# Style: ruff and black, configured in pyproject.toml, versions pinned in requirements-dev.txt.
+lint: install
+	.venv/bin/ruff check .
+	.venv/bin/black --check -q .
+
+# The torch-free CUDA kernels compile with this machine's nvcc for sm_90 (no GPU needed), and
+# the torch binding passes a syntax check against the venv's torch headers.
+check-kernels: install
+	bash csrc/check_compile.sh .venv/bin/python
+
+# The whole suite: multi-process gloo tests on the CPU; GPU tests skip without a GPU.
 test: install
 	.venv/bin/python -m pytest -q -ra --timeout=900

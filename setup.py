@@ -12,15 +12,17 @@ toolchain allows it: torch was built with CUDA and ``nvcc`` is found (``CUDA_HOM
 builds the kernels. Otherwise the install is pure Python, and CUDA tensors fall back to torch
 indexing at run time (with one warning).
 
-Environment variables:
+Environment variables (on/off ones follow megatron/context_parallel/_env.py: 1/true/yes/on
+or 0/false/no/off/empty, anything else is an error):
     MCP_FORCE_CUDA_BUILD=1: build the extension or fail (no silent pure-Python install).
-    MCP_SKIP_CUDA_BUILD=1: never build it (pure-Python install).
+    MCP_SKIP_CUDA_BUILD=1: never build it (pure-Python install). Setting both is an error.
     TORCH_CUDA_ARCH_LIST: target architectures, default "9.0" (Hopper: H100, H200).
     MAX_JOBS: parallel compile jobs (read by torch's build helper).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -32,8 +34,16 @@ EXT_NAME = "megatron.context_parallel._C"
 DEFAULT_ARCH_LIST = "9.0"
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+def _load_env_flag():
+    """The package's own ``env_flag``, loaded by path: the package is not importable yet."""
+    path = os.path.join(ROOT, "megatron", "context_parallel", "_env.py")
+    spec = importlib.util.spec_from_file_location("_megatron_cp_env", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.env_flag
+
+
+env_flag = _load_env_flag()
 
 
 def _find_nvcc(cuda_home):
@@ -46,9 +56,12 @@ def _find_nvcc(cuda_home):
 
 def _cuda_build_decision():
     """``(build, reason, details)``: whether to build the extension, judged from the toolchain."""
-    if _flag("MCP_SKIP_CUDA_BUILD"):
+    skip = env_flag("MCP_SKIP_CUDA_BUILD")
+    force = env_flag("MCP_FORCE_CUDA_BUILD")
+    if skip and force:
+        raise ValueError("MCP_SKIP_CUDA_BUILD and MCP_FORCE_CUDA_BUILD are both on; pick one")
+    if skip:
         return False, "MCP_SKIP_CUDA_BUILD is set", {}
-    force = _flag("MCP_FORCE_CUDA_BUILD")
     try:
         import torch
         from torch.utils import cpp_extension
@@ -84,7 +97,7 @@ def _extensions(build: bool):
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={
             "cxx": ["-O3"],
-            "nvcc": ["-O3", "--use_fast_math", "-Xptxas=-v"],
+            "nvcc": ["-O3"],
         },
     )
     return [ext], {"build_ext": BuildExtension}

@@ -7,11 +7,17 @@ sets that the inputs of consecutive calls never share L2 (60 MB on an H200), and
 median. GB/s counts bytes read plus bytes written (index reads included), like the copy.
 
 Usage: python benchmarks/bench_kernels.py [--reps N] [--json PATH] [--markdown PATH]
+       [--quick] [--with-logits] [--ours-only] [--max-threads-per-row T]
+
+``--max-threads-per-row`` passes the kernel's tuning knob to every ``scatter_rows`` call (the
+tuning sweep of ``benchmarks/run_device.sh tune`` runs 32, 64, 128, 256); without it the kernel
+uses its default.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -25,6 +31,7 @@ from megatron.context_parallel.plan import ContextParallelPlan
 SEED_ROWS, SEED_HIDDEN = 20436, 5120
 L2_BYTES = 60 << 20
 OURS_ONLY = False
+MAX_THREADS_PER_ROW = None  # None: the kernel's default
 
 
 def _time_calls(fns, reps, warmup=5):
@@ -63,6 +70,23 @@ def _uneven_plan(seq_len, cp, gen, unowned=0.01):
     )
 
 
+def _empties_cache(bench):
+    """Returns the GPU memory of a benchmark case to the driver once the case has returned.
+
+    The inputs are locals captured by the timed closures, so they are freed only when the case
+    returns; emptying the cache after that keeps one case's buffers from crowding the next.
+    """
+
+    @functools.wraps(bench)
+    def run(*args, **kwargs):
+        try:
+            return bench(*args, **kwargs)
+        finally:
+            torch.cuda.empty_cache()
+
+    return run
+
+
 def _row(name, plan_name, row_bytes, rows, method, ms, moved):
     return {
         "case": name,
@@ -75,6 +99,7 @@ def _row(name, plan_name, row_bytes, rows, method, ms, moved):
     }
 
 
+@_empties_cache
 def bench_scatter(name, plan, plan_name, widths, dtypes, reps, results, per_field_too=False, pad=0):
     """Unpacking the padded all-gather buffer of `plan` into source order, fields `widths`."""
     dev = torch.device("cuda")
@@ -100,7 +125,9 @@ def bench_scatter(name, plan, plan_name, widths, dtypes, reps, results, per_fiel
     ]
 
     def ours(k):
-        return lambda: ops.scatter_rows(packs[k], row_source, offsets, widths)
+        return lambda: ops.scatter_rows(
+            packs[k], row_source, offsets, widths, max_threads_per_row=MAX_THREADS_PER_ROW
+        )
 
     def index_copy(k, typed):
         def run():
@@ -136,7 +163,10 @@ def bench_scatter(name, plan, plan_name, widths, dtypes, reps, results, per_fiel
 
         def per_field(k):
             return lambda: [
-                ops.scatter_rows(packs[k], row_source, [o], [w]) for o, w in zip(offsets, widths)
+                ops.scatter_rows(
+                    packs[k], row_source, [o], [w], max_threads_per_row=MAX_THREADS_PER_ROW
+                )
+                for o, w in zip(offsets, widths)
             ]
 
         methods.insert(1, ("scatter_rows, one call per field", per_field))
@@ -146,8 +176,6 @@ def bench_scatter(name, plan, plan_name, widths, dtypes, reps, results, per_fiel
         ms = _time_calls([make(k) for k in range(n)], reps)
         nbytes = 2 * S * W if method.startswith("device copy") else moved
         results.append(_row(name, plan_name, W, S, method, ms, nbytes))
-    del packs, outs, copy_src, copy_dst
-    torch.cuda.empty_cache()
 
 
 def _typed_views(widths, row_bytes):
@@ -162,6 +190,7 @@ def _typed_views(widths, row_bytes):
     return out
 
 
+@_empties_cache
 def bench_gather(name, full_rows, row_elems, dtype, index, reps, results):
     """The backward: rows of a full tensor by an index, vs index_select."""
     dev = torch.device("cuda")
@@ -177,18 +206,15 @@ def bench_gather(name, full_rows, row_elems, dtype, index, reps, results):
     for method, make in methods:
         ms = _time_calls([make(k) for k in range(n)], reps)
         results.append(_row(name, "-", row_bytes, m, method, ms, moved))
-    del srcs
-    torch.cuda.empty_cache()
 
 
+@_empties_cache
 def bench_copy_ceiling(reps, results):
     n_bytes = 2 << 30
     a = [torch.empty(n_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
     b = [torch.empty(n_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
     ms = _time_calls([lambda k=k: b[k].copy_(a[k]) for k in range(2)], max(10, reps // 5))
     results.append(_row("copy ceiling 2 GiB", "-", 0, 0, "device copy", ms, 2 * n_bytes))
-    del a, b
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -199,9 +225,16 @@ def main():
     parser.add_argument("--quick", action="store_true", help="seed shape at CP 4 only")
     parser.add_argument("--ours-only", action="store_true", help="skip the torch baselines")
     parser.add_argument("--with-logits", action="store_true", help="add the logits case to --quick")
+    parser.add_argument(
+        "--max-threads-per-row",
+        type=int,
+        metavar="T",
+        help="most threads sharing one row in scatter_rows (power of two, 1-256; tuning sweeps)",
+    )
     args = parser.parse_args()
-    global OURS_ONLY
+    global OURS_ONLY, MAX_THREADS_PER_ROW
     OURS_ONLY = args.ours_only
+    MAX_THREADS_PER_ROW = args.max_threads_per_row
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     if not ops.has_cuda_kernels():

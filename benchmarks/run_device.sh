@@ -18,6 +18,13 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-16}"
+# The lent GPU machines set CXX=/opt/gcc/bin/g++, a wrapper whose links leave libstdc++.so out
+# (ldd shows none), so the extension carries its own copy of the stream code; formatting an
+# integer into a TORCH_CHECK message then segfaults instead of raising (2026-12-02, g++ 13.3,
+# torch 2.11). The system compiler links libstdc++.so and the same checks raise RuntimeError.
+if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
+  export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+fi
 
 {
   date -u
@@ -108,8 +115,8 @@ fi
 if [[ "$mode" == all || "$mode" == tune ]]; then
   echo "== tuning: most threads per row (hidden states CP 4 and logits, kernel only)"
   for t in 32 64 128 256; do
-    echo "-- MCP_ROW_COPY_MAX_THREADS_PER_ROW=$t"
-    MCP_ROW_COPY_MAX_THREADS_PER_ROW=$t timeout 120 "$py" benchmarks/bench_kernels.py --quick \
-      --with-logits --ours-only --reps 200 2>&1 | grep scatter_rows
+    echo "-- --max-threads-per-row $t"
+    timeout 120 "$py" benchmarks/bench_kernels.py --quick --with-logits --ours-only --reps 200 \
+      --max-threads-per-row "$t" 2>&1 | grep scatter_rows
   done 2>&1 | tee "$out/tune.log"
 fi

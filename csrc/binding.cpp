@@ -7,6 +7,7 @@
 
 #include <Python.h>
 
+#include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -27,21 +28,34 @@ void check_index(const at::Tensor& index, const at::Tensor& data, const char* wh
               " but data on ", data.device());
 }
 
-void launch(const std::vector<RowField>& fields, const at::Tensor& index, int64_t num_src_rows) {
-  const cudaError_t err =
-      launch_row_copy(fields.data(), static_cast<int>(fields.size()), index.data_ptr<int64_t>(),
-                      index.numel(), num_src_rows, c10::cuda::getCurrentCUDAStream());
+// The threads-per-row cap for a call: the kernel's measured default unless the caller (the
+// benchmark's tuning sweep) names one. Checked here so a bad value raises a readable error.
+int threads_per_row_cap(const std::optional<int64_t>& requested) {
+  if (!requested.has_value()) return kDefaultMaxThreadsPerRow;
+  const int64_t v = *requested;
+  TORCH_CHECK(v >= 1 && v <= kBlockThreads && (v & (v - 1)) == 0,
+              "max_threads_per_row must be a power of two in [1, ", kBlockThreads, "], got ", v);
+  return static_cast<int>(v);
+}
+
+void launch(const std::vector<RowField>& fields, const at::Tensor& index, int64_t num_src_rows,
+            int max_threads_per_row) {
+  const cudaError_t err = launch_row_copy(
+      fields.data(), static_cast<int>(fields.size()), index.data_ptr<int64_t>(), index.numel(),
+      num_src_rows, c10::cuda::getCurrentCUDAStream(), max_threads_per_row);
   TORCH_CHECK(err == cudaSuccess, "megatron_cp row copy launch failed: ", cudaGetErrorString(err));
 }
 
 std::vector<at::Tensor> scatter_rows_cuda(const at::Tensor& packed, const at::Tensor& row_source,
-                                          at::IntArrayRef offsets, at::IntArrayRef widths) {
+                                          at::IntArrayRef offsets, at::IntArrayRef widths,
+                                          std::optional<int64_t> max_threads_per_row) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte,
               "scatter_rows: packed must be uint8 [slots, W], got ", packed.scalar_type(), " ",
               packed.sizes());
   TORCH_CHECK(offsets.size() == widths.size(), "scatter_rows: ", offsets.size(), " offsets but ",
               widths.size(), " widths");
   check_index(row_source, packed, "scatter_rows");
+  const int cap = threads_per_row_cap(max_threads_per_row);
   const c10::cuda::CUDAGuard guard(packed.device());
   // A row-strided view (a column slice of a wider buffer) is read in place; anything else is
   // made dense first.
@@ -66,7 +80,7 @@ std::vector<at::Tensor> scatter_rows_cuda(const at::Tensor& packed, const at::Te
     fields.push_back(field);
     outs.push_back(std::move(out));
   }
-  launch(fields, index, src.size(0));
+  launch(fields, index, src.size(0), cap);
   return outs;
 }
 
@@ -98,7 +112,7 @@ at::Tensor gather_rows_cuda(const at::Tensor& src_in, const at::Tensor& index_in
   field.dst = out.data_ptr();
   field.src_stride = src.stride(0) * elem;
   field.width = inner * elem;
-  launch({field}, index, src.size(0));
+  launch({field}, index, src.size(0), kDefaultMaxThreadsPerRow);
   return out;
 }
 

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Compile check of the CUDA row kernels on a machine without a GPU (CI).
 #
-# 1. The torch-free kernels (csrc/*.cu) are compiled with nvcc for sm_90 into a temp dir, with
-#    ptxas's resource report (registers, spills) printed. Any compile error fails.
+# 1. The torch-free kernels (csrc/*.cu) are compiled with nvcc for sm_90 (the architecture the
+#    package ships for) into a temp dir, with ptxas's resource report (registers, spills)
+#    printed for the CI log; the shipped build (setup.py) leaves that report off. Any compile
+#    error or warning fails.
 # 2. The torch binding (csrc/binding.cpp) gets a syntax-only pass with the host compiler and
 #    the installed torch's headers. A CPU torch wheel ships c10/cuda headers but not the
 #    CMake-generated cuda_cmake_macros.h, so an empty stand-in is put on the include path;
 #    nothing is linked. Skipped (not failed) when torch or the CUDA headers are missing.
 #
 # Usage: csrc/check_compile.sh [python]   (python defaults to .venv/bin/python, then python3)
-# Env: NVCC (default: nvcc on PATH), MCP_CHECK_ARCH (default 90).
+# Env: NVCC (default: nvcc on PATH).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
 nvcc="${NVCC:-nvcc}"
-arch="${MCP_CHECK_ARCH:-90}"
+arch=90
 python="${1:-}"
 if [[ -z "$python" ]]; then
   if [[ -x "$root/.venv/bin/python" ]]; then python="$root/.venv/bin/python"; else python=python3; fi

@@ -4,21 +4,21 @@
 // the block), one group per row, so a block covers kBlock / tpr consecutive output rows of one
 // field. Narrow rows (a 4-byte per-token field) put one row on each thread and keep both the
 // index loads and the stores coalesced; wide rows (10 KB hidden states, 300 KB logits rows)
-// put a whole block on a row and stride it with 16-byte vectors. Blocks of all fields of a
-// launch are numbered one after another, so a block finds its field by a short scan of the
-// block offsets, which is uniform across the block and costs no divisions.
+// put up to a block on a row (the launcher's max_threads_per_row caps it) and stride it with
+// 16-byte vectors. Blocks of all fields of a launch are numbered one after another, so a block
+// finds its field by a short scan of the block offsets, which is uniform across the block and
+// costs no divisions.
 
 #include "row_copy.h"
 
 #include <cassert>
-#include <climits>
-#include <cstdlib>
 
 namespace megatron_cp {
 namespace {
 
 constexpr int kBlockShift = 8;
 constexpr int kBlock = 1 << kBlockShift;
+static_assert(kBlock == kBlockThreads, "row_copy.h's kBlockThreads must match the kernel");
 // Loads each thread issues before its first store: enough bytes in flight per SM to cover
 // HBM latency without spilling registers.
 constexpr int kUnroll = 4;
@@ -145,37 +145,29 @@ int vector_shift(const RowField& field) {
                           static_cast<uint64_t>(field.src_stride));
 }
 
-// Most threads on one row, log2. Default 64: on an H200 (2026-12-02 sweep of 32/64/128/256)
-// 64 moved the seed's 10 KB hidden rows at 98% of copy bandwidth against 90% with a whole
-// 256-thread block per row (more rows in flight per block hide the index load), and left the
-// 300 KB logits rows unchanged. Override for benchmarks: MCP_ROW_COPY_MAX_THREADS_PER_ROW
-// (a power of two, 1 .. block size), read once.
-constexpr int kDefaultMaxThreadsPerRow = 64;
-
-int max_threads_per_row_shift() {
-  static const int value = [] {
-    const char* env = std::getenv("MCP_ROW_COPY_MAX_THREADS_PER_ROW");
-    const long v = env != nullptr ? std::strtol(env, nullptr, 10) : kDefaultMaxThreadsPerRow;
-    int shift = 0;
-    while (shift < kBlockShift && (1L << (shift + 1)) <= v) ++shift;
-    return shift;
-  }();
-  return value;
+// log2 of a power of two in [1, kBlock], or -1 for anything else.
+int power_of_two_shift(int value) {
+  for (int shift = 0; shift <= kBlockShift; ++shift) {
+    if (value == (1 << shift)) return shift;
+  }
+  return -1;
 }
 
-int threads_per_row_shift(int64_t num_vec) {
-  const int cap = max_threads_per_row_shift();
+// Threads per row, log2: enough to give each its own vector, capped at `cap_shift` (log2 of
+// the caller's max_threads_per_row; its default and why: row_copy.h).
+int threads_per_row_shift(int64_t num_vec, int cap_shift) {
   int shift = 0;
-  while (shift < cap && (int64_t(1) << shift) < num_vec) ++shift;
+  while (shift < cap_shift && (int64_t(1) << shift) < num_vec) ++shift;
   return shift;
 }
 
 }  // namespace
 
-int row_copy_vector_bytes(const RowField& field) { return 1 << vector_shift(field); }
-
 cudaError_t launch_row_copy(const RowField* fields, int num_fields, const int64_t* index,
-                            int64_t num_rows, int64_t num_src_rows, cudaStream_t stream) {
+                            int64_t num_rows, int64_t num_src_rows, cudaStream_t stream,
+                            int max_threads_per_row) {
+  const int cap_shift = power_of_two_shift(max_threads_per_row);
+  if (cap_shift < 0) return cudaErrorInvalidValue;
   if (num_rows <= 0 || num_fields <= 0) return cudaSuccess;
   for (int start = 0; start < num_fields; start += kMaxFields) {
     LaunchParams p{};
@@ -196,7 +188,7 @@ cudaError_t launch_row_copy(const RowField* fields, int num_fields, const int64_
       fp.per_row_align = vector_shift(in) < fp.vec_shift ? 1 : 0;
       // Threads per row follow the widest vector; rows that must use narrower ones loop more.
       fp.num_vec = in.width >> fp.vec_shift;
-      fp.tpr_shift = threads_per_row_shift(fp.num_vec);
+      fp.tpr_shift = threads_per_row_shift(fp.num_vec, cap_shift);
       fp.first_block = blocks;
       const int64_t rows_per_block = int64_t(1) << (kBlockShift - fp.tpr_shift);
       blocks += (num_rows + rows_per_block - 1) / rows_per_block;

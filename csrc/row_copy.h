@@ -21,6 +21,16 @@ namespace megatron_cp {
 
 constexpr int kMaxFields = 16;
 
+// Threads of one block. A row is copied by a power-of-two group of at most this many threads.
+constexpr int kBlockThreads = 256;
+
+// Default cap on the threads that share one row (the launcher's `max_threads_per_row`).
+// Measured on an H200 (2026-12-02, a sweep of 32/64/128/256, benchmarks/RESULTS.md): 64 moved
+// the seed's 10 KB hidden rows at 98% of device-copy bandwidth against 90% with a whole
+// 256-thread block per row (more rows in flight per block hide the index load), and left the
+// 300 KB logits rows unchanged.
+constexpr int kDefaultMaxThreadsPerRow = 64;
+
 struct RowField {
   const void* src;     // first byte of the field in source row 0
   void* dst;           // output [num_rows, width] bytes, dense
@@ -30,12 +40,12 @@ struct RowField {
 
 // Launches the copy of `num_fields` fields (any number: the launcher splits into launches of
 // kMaxFields) on `stream`. `index` is int64 [num_rows] on the device; a slot >= num_src_rows
-// is a caller error (checked with a device assert in debug builds only). Returns the launch
-// status; cudaSuccess for an empty problem, which launches nothing.
+// is a caller error (checked with a device assert in debug builds only). At most
+// `max_threads_per_row` threads share one row: a power of two in [1, kBlockThreads], else
+// cudaErrorInvalidValue and nothing is launched. Returns the launch status; cudaSuccess for an
+// empty problem, which launches nothing.
 cudaError_t launch_row_copy(const RowField* fields, int num_fields, const int64_t* index,
-                            int64_t num_rows, int64_t num_src_rows, cudaStream_t stream);
-
-// Vector width in bytes (16, 8, 4, 2 or 1) the launcher picks for a field.
-int row_copy_vector_bytes(const RowField& field);
+                            int64_t num_rows, int64_t num_src_rows, cudaStream_t stream,
+                            int max_threads_per_row);
 
 }  // namespace megatron_cp

@@ -2,11 +2,12 @@
 # Installs megatron-core and this package into an existing PyTorch environment, without ever
 # replacing the environment's torch, TransformerEngine, apex or flash-attn.
 #
-# The Dockerfile runs it in the NGC image; it runs just as well on a bare GPU machine or a CPU
-# venv. Both installs use --no-deps (the base environment already holds torch, numpy and
-# packaging) and the package is built with --no-build-isolation (against the torch that is
-# there, never a freshly downloaded one). The versions of the protected distributions are read
-# before and after; any change fails the script.
+# The Dockerfile runs it in the NGC image, and scripts/install_dev.sh (the development and CI
+# install) runs it into .venv; it runs just as well on a bare GPU machine. Both installs use
+# --no-deps (the base environment already holds torch, numpy and packaging) and the package is
+# built with --no-build-isolation (against the torch that is there, never a freshly downloaded
+# one). The versions of the protected distributions are read before and after; any change fails
+# the script.
 #
 # Usage: docker/install.sh [options]
 #   --python PY            interpreter to install into (default: $PYTHON, else python3)
@@ -68,15 +69,17 @@ echo "== protected distributions (left as they are):"
 echo "$before" | sed 's/^/   /'
 
 pip=("$python" -m pip install --no-deps --no-cache-dir --disable-pip-version-check)
+# megatron-core 0.19.2 declares Requires-Python >= 3.12 but runs on 3.11 (the CPU CI machines').
+mcore_pip=("${pip[@]}" --ignore-requires-python)
 
 if [[ $skip_mcore -eq 1 ]]; then
   echo "== megatron-core: skipped (--skip-megatron-core)"
 elif [[ -n "$wheel_dir" ]]; then
   echo "== megatron-core: $mcore_spec from $wheel_dir (no index)"
-  "${pip[@]}" --no-index --find-links "$wheel_dir" "$mcore_spec"
+  "${mcore_pip[@]}" --no-index --find-links "$wheel_dir" "$mcore_spec"
 else
   echo "== megatron-core: $mcore_spec"
-  "${pip[@]}" "$mcore_spec"
+  "${mcore_pip[@]}" "$mcore_spec"
 fi
 
 echo "== megatron-context-parallel from $root (cuda: $cuda_mode, arch list $TORCH_CUDA_ARCH_LIST)"

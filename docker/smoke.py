@@ -3,9 +3,9 @@
 Checks, in order, and reports every failure before exiting non-zero:
 
 1. The package imports (from wherever it was installed) and says whether its compiled CUDA
-   extension ``megatron.context_parallel._C`` loaded. With ``--require-cuda`` (or
-   ``MCP_SMOKE_REQUIRE_CUDA=1``) anything but "loaded" fails: that is what makes a Docker
-   build fail when the kernels did not build or do not load against the image's torch.
+   extension ``megatron.context_parallel._C`` loaded. With ``--require-cuda`` anything but
+   "loaded" fails: that is what makes a Docker build fail when the kernels did not build or do
+   not load against the image's torch.
 2. The row ops and a single-rank gather put rows where an independently built reference says,
    on CPU, with exact equality.
 3. When a GPU is visible: the same on CUDA, compared exactly with the CPU results, for several
@@ -30,10 +30,6 @@ import warnings
 from typing import Callable, List
 
 import torch
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def _reference_gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -103,8 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--require-cuda",
         action="store_true",
-        default=_flag("MCP_SMOKE_REQUIRE_CUDA"),
-        help="fail unless the compiled CUDA extension loads (env MCP_SMOKE_REQUIRE_CUDA=1)",
+        help="fail unless the compiled CUDA extension loads",
     )
     parser.add_argument(
         "--expect-megatron-core",

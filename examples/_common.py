@@ -33,10 +33,8 @@ import torch.distributed as dist
 def _quiet_third_party() -> None:
     """Hides megatron-core's "X is not installed, falling back" notices and deprecation chatter.
 
-    They repeat once per rank and bury the table; ``MCP_EXAMPLES_VERBOSE=1`` keeps them.
+    They repeat once per rank, bury the table and ask for nothing the examples need.
     """
-    if os.environ.get("MCP_EXAMPLES_VERBOSE", "0") not in ("", "0"):
-        return
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*is deprecated")
     logging.getLogger("megatron.core").setLevel(logging.ERROR)

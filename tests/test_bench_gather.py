@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
-from tests._dist import run_distributed
+from _dist import run_distributed
 
 _SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gather.py"
 
@@ -32,33 +31,26 @@ def _load_bench():
 bench = _load_bench()
 
 
-def _check_worker(rank, world_size, scale):
+def _every_approach_equals_ours(rank, world_size, scale):
     names = bench.check_approaches(scale=scale)
+    assert names == ["hidden_states", "target_logprobs", "top_k", "step_16x5"]
     # Tamper with one approach's output and make sure the check notices: it must be able to fail.
     payload = bench.make_payloads(world_size, scale)[1]
     setup = bench.Setup(payload, dist.group.WORLD, torch.device("cpu"))
     original = bench.RUNNERS["b_index_select"]
+    bench.RUNNERS["b_index_select"] = lambda s: {
+        k: torch.flip(v, dims=[0]) for k, v in original(s).items()
+    }
     try:
-        bench.RUNNERS["b_index_select"] = lambda s: {
-            k: torch.flip(v, dims=[0]) for k, v in original(s).items()
-        }
-        try:
+        with pytest.raises(AssertionError, match="b_index_select differs from ours"):
             bench.check_setup(setup)
-        except AssertionError as exc:
-            caught = str(exc)
-        else:
-            caught = ""
     finally:
         bench.RUNNERS["b_index_select"] = original
-    return names, caught
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_approach_equals_ours(world_size):
-    results = run_distributed(_check_worker, world_size, 400.0)
-    for names, caught in results:
-        assert names == ["hidden_states", "target_logprobs", "top_k", "step_16x5"]
-        assert "b_index_select differs from ours" in caught
+    run_distributed(_every_approach_equals_ours, world_size, 400.0)
 
 
 def test_payload_shapes_follow_the_issue():

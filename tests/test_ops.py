@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from _rows import DTYPES, random_index
 
 from megatron.context_parallel import _extension, ops
+from megatron.context_parallel._env import env_flag
 
 
 def _random(shape, dtype, gen):
@@ -100,6 +102,19 @@ def test_gather_rows_strided_views():
         assert torch.equal(ops.gather_rows(src, index), _ref_gather(src.contiguous(), index))
 
 
+def test_scatter_rows_thread_cap_is_checked_and_moves_the_same_bytes():
+    gen = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (9, 44), generator=gen, dtype=torch.uint8)
+    row_source = random_index(15, 9, gen)
+    want = ops.scatter_rows(packed, row_source, [0, 32], [32, 12])
+    for cap in (1, 64, 256):
+        got = ops.scatter_rows(packed, row_source, [0, 32], [32, 12], max_threads_per_row=cap)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for bad in (0, 3, 512, -64, True, 64.0):
+        with pytest.raises(ValueError, match="power of two in \\[1, 256\\]"):
+            ops.scatter_rows(packed, row_source, [0, 32], [32, 12], max_threads_per_row=bad)
+
+
 def test_gather_rows_gradient_sums_repeated_rows():
     gen = torch.Generator().manual_seed(4)
     src = torch.randn(6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -142,6 +157,11 @@ def test_opcheck_cpu():
     torch.library.opcheck(
         torch.ops.megatron_cp.scatter_rows.default, (packed, row_source, [0, 32], [32, 6])
     )
+    torch.library.opcheck(
+        torch.ops.megatron_cp.scatter_rows.default,
+        (packed, row_source, [0, 32], [32, 6]),
+        {"max_threads_per_row": 32},
+    )
     src = torch.randn(9, 4, generator=gen, requires_grad=True)
     index = random_index(7, 9, gen)
     torch.library.opcheck(torch.ops.megatron_cp.gather_rows.default, (src, index))
@@ -169,19 +189,41 @@ def test_ops_trace_under_torch_compile():
         assert torch.equal(got, want)
 
 
-def test_extension_status_on_cpu_torch():
+def test_extension_status_matches_this_install():
+    """The real outcome in this environment (every outcome's logic: test_env.py).
+
+    On a CPU torch nothing can load. On a CUDA torch a built extension must load: "broken"
+    fails here, as it should, and so does a missing one when MCP_REQUIRE_EXTENSION is on (the
+    import of ``ops`` would already have raised).
+    """
     outcome, reason = _extension.status()
+    assert ops.has_cuda_kernels() == (outcome == "loaded")
     if torch.version.cuda is None:
-        assert outcome == "not built" and "without CUDA" in reason
-        assert not ops.has_cuda_kernels()
+        assert (outcome, reason) == ("not built", "torch was built without CUDA")
+    elif env_flag("MCP_DISABLE_EXTENSION"):
+        assert (outcome, reason) == ("not built", "disabled by MCP_DISABLE_EXTENSION")
+    elif importlib.util.find_spec("megatron.context_parallel._C") is None:
+        assert outcome == "not built" and "without its CUDA extension" in reason
     else:
-        assert outcome in ("loaded", "not built", "broken")
+        assert outcome == "loaded", reason
 
 
-def test_fallback_warns_once(monkeypatch):
+@pytest.mark.skipif(ops.has_cuda_kernels(), reason="the compiled kernels replace the fallback")
+def test_cuda_fallback_warns_once_and_moves_the_same_bytes(monkeypatch):
+    """The functions registered for CUDA tensors when the kernels are missing, called directly
+    (this machine may have no GPU): one warning for the process, the CPU results. The dispatch
+    of real CUDA tensors to them is tested on a GPU (test_ops_cuda.py)."""
     monkeypatch.setattr(_extension, "_fallback_warned", False)
+    gen = torch.Generator().manual_seed(8)
+    packed = torch.randint(0, 256, (9, 37), generator=gen, dtype=torch.uint8)
+    index = torch.tensor([3, -1, 8, 0, 0, 5])
+    src = torch.randn(9, 7, generator=gen).bfloat16()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _extension.warn_fallback_once("gather_rows")
-        _extension.warn_fallback_once("gather_rows")
-    assert len(caught) == 1 and "torch indexing" in str(caught[0].message)
+        for _ in range(3):
+            rows = ops._scatter_rows_fallback(packed, index, [0, 32], [32, 5])
+            picked = ops._gather_rows_fallback(src, index)
+    assert len([w for w in caught if "torch indexing" in str(w.message)]) == 1
+    want = ops.scatter_rows(packed, index, [0, 32], [32, 5])
+    assert all(torch.equal(a, b) for a, b in zip(rows, want))
+    assert torch.equal(picked, ops.gather_rows(src, index))

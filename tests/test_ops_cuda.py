@@ -1,7 +1,7 @@
 """GPU tests of the megatron_cp row kernels: exact equality with the CPU implementation.
 
-Skipped without CUDA. Set ``MCP_ALLOW_FALLBACK=1`` to run them against the torch fallback
-instead of failing when the compiled extension is absent.
+Skipped without CUDA. Without the compiled extension ``test_kernels_are_loaded`` fails and the
+others run against the torch fallback (with ``MCP_REQUIRE_EXTENSION=1`` the import fails).
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+from _dist import run_distributed
 from _rows import DTYPES, random_index
 
 from megatron.context_parallel import ops
+from megatron.context_parallel.mappings import gather_from_context_parallel_region
+from megatron.context_parallel.plan import ContextParallelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,8 +65,6 @@ def _same_bits(a, b):
 
 
 def test_kernels_are_loaded():
-    if os.environ.get("MCP_ALLOW_FALLBACK"):
-        pytest.skip("MCP_ALLOW_FALLBACK is set")
     assert ops.has_cuda_kernels(), "the compiled extension did not load (see _extension.status())"
 
 
@@ -92,6 +94,31 @@ def test_scatter_rows_equals_cpu_for_random_layouts():
                 assert len(got) == len(want)
                 for g, w in zip(got, want):
                     assert g.is_cuda and torch.equal(g.cpu(), w), (widths, lead, slots, num_out)
+
+
+def test_every_thread_cap_moves_the_same_bytes():
+    """The tuning knob changes how threads share a row, never which bytes land where."""
+    gen = torch.Generator().manual_seed(19)
+    for widths in ([10240, 4, 80, 160], [3, 5, 7], [1], [48, 6, 2, 1]):
+        offsets = [1 + sum(widths[:f]) for f in range(len(widths))]
+        packed = _random_bytes((29, 1 + sum(widths) + 3), gen)
+        row_source = random_index(45, 29, gen)
+        want = ops.scatter_rows(packed, row_source, offsets, widths)
+        for cap in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            _poison_allocator()
+            got = ops.scatter_rows(
+                packed.cuda(), row_source.cuda(), offsets, widths, max_threads_per_row=cap
+            )
+            assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), (widths, cap)
+
+
+@pytest.mark.skipif(not ops.has_cuda_kernels(), reason="the torch fallback has no thread cap")
+def test_bad_thread_cap_raises_in_the_binding_too():
+    packed = torch.zeros(4, 8, dtype=torch.uint8, device="cuda")
+    index = torch.zeros(2, dtype=torch.int64, device="cuda")
+    for bad in (0, 3, 512):
+        with pytest.raises(RuntimeError, match="power of two in \\[1, 256\\]"):
+            torch.ops.megatron_cp.scatter_rows(packed, index, [0], [8], max_threads_per_row=bad)
 
 
 def test_scatter_rows_column_slice_of_wider_buffer():
@@ -269,25 +296,6 @@ def test_cuda_without_extension_falls_back_with_one_warning():
     assert proc.returncode == 0 and "FALLBACK-OK" in proc.stdout, proc.stderr[-4000:]
 
 
-def test_full_gather_on_cuda_equals_cpu_with_gloo_ranks():
-    """4 gloo ranks sharing the one GPU: the gather of CUDA tensors equals the CPU gather."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--gloo-ranks", "4"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "GLOO-GATHER-OK" in proc.stdout
-
-
-# --- multi-rank body, run in a fresh process (spawned ranks must not inherit a CUDA context) ---
-
-
 def _fields_for(plan, seed):
     gen = torch.Generator().manual_seed(seed)
     s = plan.seq_len
@@ -300,82 +308,39 @@ def _fields_for(plan, seed):
     }
 
 
-def _gloo_worker(rank, world, port, queue):
-    import datetime
-
-    import torch.distributed as dist
-
-    from megatron.context_parallel.mappings import gather_from_context_parallel_region
-    from megatron.context_parallel.plan import ContextParallelPlan
-
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=120),
-        )
-        torch.cuda.set_device(0)
-        gen = torch.Generator().manual_seed(99)
-        perm = torch.randperm(1003, generator=gen)
-        cuts = sorted(torch.randint(0, 1000, (world - 1,), generator=gen).tolist())
-        bounds = [0] + cuts + [1000]  # uneven shards; positions 1000..1002 owned by nobody
-        uneven = ContextParallelPlan.from_rank_positions(
-            [perm[bounds[r] : bounds[r + 1]].tolist() for r in range(world)], seq_len=1003
-        )
-        for plan in (ContextParallelPlan.zigzag(8 * world * 13, world), uneven):
-            full = _fields_for(plan, seed=plan.seq_len)
-            pos = plan.local_positions(rank)
-            local_cpu = {k: v[pos] for k, v in full.items()}
-            out_cpu = gather_from_context_parallel_region(local_cpu, plan, group=dist.group.WORLD)
-            local_gpu = {k: v.cuda() for k, v in local_cpu.items()}
-            local_gpu["hidden"].requires_grad_()
-            out_gpu = gather_from_context_parallel_region(local_gpu, plan, group=dist.group.WORLD)
-            owned = plan.row_source() >= 0
-            for k in full:
-                assert out_gpu[k].is_cuda
-                assert torch.equal(out_gpu[k].detach().cpu(), out_cpu[k]), k
-                want = full[k].clone()
-                want[~owned] = 0
-                assert torch.equal(out_cpu[k], want), k
-            weight = torch.randn(out_gpu["hidden"].shape, generator=gen).bfloat16()
-            (out_gpu["hidden"].float() * weight.cuda().float()).sum().backward()
-            grad = local_gpu["hidden"].grad.cpu()
-            assert torch.equal(grad, weight[pos]), "default backward: own rows of the grad"
-        queue.put((rank, "ok"))
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _gather_cuda_equals_cpu(rank, world):
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(99)
+    perm = torch.randperm(1003, generator=gen)
+    cuts = sorted(torch.randint(0, 1000, (world - 1,), generator=gen).tolist())
+    bounds = [0] + cuts + [1000]  # uneven shards; positions 1000..1002 owned by nobody
+    uneven = ContextParallelPlan.from_rank_positions(
+        [perm[bounds[r] : bounds[r + 1]].tolist() for r in range(world)], seq_len=1003
+    )
+    for plan in (ContextParallelPlan.zigzag(8 * world * 13, world), uneven):
+        full = _fields_for(plan, seed=plan.seq_len)
+        pos = plan.local_positions(rank)
+        local_cpu = {k: v[pos] for k, v in full.items()}
+        out_cpu = gather_from_context_parallel_region(local_cpu, plan, group=dist.group.WORLD)
+        local_gpu = {k: v.cuda() for k, v in local_cpu.items()}
+        local_gpu["hidden"].requires_grad_()
+        out_gpu = gather_from_context_parallel_region(local_gpu, plan, group=dist.group.WORLD)
+        owned = plan.row_source() >= 0
+        for k in full:
+            assert out_gpu[k].is_cuda
+            assert torch.equal(out_gpu[k].detach().cpu(), out_cpu[k]), k
+            want = full[k].clone()
+            want[~owned] = 0
+            assert torch.equal(out_cpu[k], want), k
+        weight = torch.randn(out_gpu["hidden"].shape, generator=gen).bfloat16()
+        (out_gpu["hidden"].float() * weight.cuda().float()).sum().backward()
+        grad = local_gpu["hidden"].grad.cpu()
+        assert torch.equal(grad, weight[pos]), "default backward: own rows of the grad"
 
 
-def _main_gloo(world):
-    import multiprocessing as mp
-    import socket
+def test_full_gather_on_cuda_equals_cpu_with_gloo_ranks():
+    """4 gloo ranks sharing the one GPU: the gather of CUDA tensors equals the CPU gather.
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=240) for _ in range(world)]
-    for p in procs:
-        p.join(timeout=30)
-    bad = [r for r in results if r[1] != "ok"]
-    for rank, tb in bad:
-        print(f"--- rank {rank} ---\n{tb}")
-    if bad:
-        sys.exit(1)
-    print("GLOO-GATHER-OK")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--gloo-ranks":
-        _main_gloo(int(sys.argv[2]))
+    Spawned, not forked: this process has used CUDA, and a forked child cannot.
+    """
+    run_distributed(_gather_cuda_equals_cpu, 4, start_method="spawn", timeout=300)

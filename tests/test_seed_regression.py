@@ -10,6 +10,7 @@ order, and the probe must give exactly what it gives at CP 1.
 from __future__ import annotations
 
 import _megatron_cpu as mc
+import pytest
 import torch
 from _dist import run_distributed
 
@@ -46,7 +47,7 @@ def _probe(output, labels):
     return output.hidden_states[1:][mask]
 
 
-def _worker(rank, world_size):
+def _probe_equals_cp1_at_cp4_and_cp2(rank, world_size):
     from megatron.core import parallel_state as ps
 
     ids, labels = _batch()
@@ -54,39 +55,23 @@ def _worker(rank, world_size):
     reference = _probe(
         context_parallel_forward(mc.build_tiny_gpt(), ids, labels, cu_seqlens=CU_SEQLENS), labels
     )
-    results = {}
+    assert reference.shape == (SEQ_LEN - 1 - 19, mc.TINY["hidden_size"])
     for cp in (4, 2):
         mc.init_parallel(1, cp)
         plan = _prefix_tree_plan(cp)
+        assert len(set(plan.counts)) == cp, plan.counts  # uneven shards, as in the report
         out = context_parallel_forward(
             mc.build_tiny_gpt(), ids, labels, cu_seqlens=CU_SEQLENS, plan=plan, fields=FIELDS
         )
-        cp_rank = ps.get_context_parallel_rank()
-        # What the forward used to hand back: this rank's rows only.
-        shard = out.hidden_states[plan.local_positions(cp_rank)]
-        try:
+        # The seed's failure, reproduced on what the forward used to hand back: this rank's rows.
+        shard = out.hidden_states[plan.local_positions(ps.get_context_parallel_rank())]
+        with pytest.raises(IndexError, match="does not match"):
             shard[1:][labels[1:] != -100]
-            old_error = None
-        except IndexError as exc:
-            old_error = str(exc)
+        # ...and gone on the full output, which equals CP 1.
         probe = _probe(out, labels)
-        results[cp] = {
-            "counts": plan.counts,
-            "old_error": old_error,
-            "shape": tuple(probe.shape),
-            "max_error": (probe - reference).abs().max().item(),
-        }
-    return tuple(reference.shape), results
+        assert probe.shape == reference.shape, (rank, cp)
+        assert (probe - reference).abs().max().item() <= 1e-5, (rank, cp)
 
 
 def test_probe_pattern_on_full_outputs_at_cp2_and_cp4():
-    per_rank = run_distributed(_worker, 4)
-    for rank, (ref_shape, results) in enumerate(per_rank):
-        assert ref_shape == (SEQ_LEN - 1 - 19, mc.TINY["hidden_size"])
-        for cp, r in results.items():
-            assert len(set(r["counts"])) == cp, r["counts"]  # uneven shards, as in the report
-            # The seed's failure, reproduced on the shard...
-            assert r["old_error"] is not None and "does not match" in r["old_error"], (cp, r)
-            # ...and gone on the full output, which equals CP 1.
-            assert r["shape"] == ref_shape, (rank, cp, r)
-            assert r["max_error"] <= 1e-5, (rank, cp, r)
+    run_distributed(_probe_equals_cp1_at_cp4_and_cp2, 4)

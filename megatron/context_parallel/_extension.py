@@ -9,20 +9,26 @@ outcomes are told apart, because they call for different reactions:
 * ``"broken"``: a library is there but does not load (torch version or CUDA mismatch, missing
   symbols). Warned about at once, since a rebuild is needed; CUDA tensors fall back too.
 
-Set ``MCP_REQUIRE_EXTENSION=1`` to make both non-loaded outcomes raise instead (benchmarks and
-GPU tests do, so they never time the fallback by mistake), and ``MCP_DISABLE_EXTENSION=1`` to
-ignore a built extension (tests of the fallback; bisecting a suspected kernel bug).
+Two environment variables change this (on/off values follow ``_env.env_flag``: 1/true/yes/on,
+0/false/no/off/empty, anything else raises ``ValueError``):
+
+* ``MCP_REQUIRE_EXTENSION=1``: both non-loaded outcomes raise ``ImportError`` instead (benchmarks
+  and GPU tests set it, so they never time the fallback by mistake).
+* ``MCP_DISABLE_EXTENSION=1``: ignore a built extension, as if it were not built (tests of the
+  fallback; bisecting a suspected kernel bug). A deliberate choice, so it wins over
+  ``MCP_REQUIRE_EXTENSION``.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import warnings
 from typing import Optional, Tuple
 
 import torch
+
+from megatron.context_parallel._env import env_flag
 
 __all__ = ["load", "status", "warn_fallback_once"]
 
@@ -31,38 +37,51 @@ _state: Optional[Tuple[str, str]] = None
 _fallback_warned = False
 
 
-def _require() -> bool:
-    return os.environ.get("MCP_REQUIRE_EXTENSION", "0") not in ("", "0")
+def _module_exists() -> bool:
+    return importlib.util.find_spec(_MODULE) is not None
+
+
+def _import_module() -> None:
+    importlib.import_module(_MODULE)
+
+
+def _probe() -> Tuple[str, str]:
+    """``(outcome, reason)`` of one attempt to load the extension; never raises on a load error."""
+    if env_flag("MCP_DISABLE_EXTENSION"):
+        return "not built", "disabled by MCP_DISABLE_EXTENSION"
+    if torch.version.cuda is None:
+        return "not built", "torch was built without CUDA"
+    if not _module_exists():
+        return "not built", "the package was installed without its CUDA extension"
+    try:
+        _import_module()
+    except Exception as exc:  # noqa: BLE001 - any load failure means "broken"
+        return "broken", f"{type(exc).__name__}: {exc}"
+    return "loaded", ""
 
 
 def load() -> bool:
     """Imports the extension once (it registers its kernels on import); True when loaded.
 
     Must run after the ``megatron_cp`` op schemas are defined. Never touches a GPU.
+
+    Raises:
+        ImportError: ``MCP_REQUIRE_EXTENSION`` is on and the extension is not loaded (unless
+            ``MCP_DISABLE_EXTENSION`` is on too).
+        ValueError: one of the two variables holds neither an on nor an off value.
     """
     global _state
-    if _state is not None:
-        return _state[0] == "loaded"
-    if os.environ.get("MCP_DISABLE_EXTENSION", "0") not in ("", "0"):
-        _state = ("not built", "disabled by MCP_DISABLE_EXTENSION")
-    elif torch.version.cuda is None:
-        _state = ("not built", "torch was built without CUDA")
-    elif importlib.util.find_spec(_MODULE) is None:
-        _state = ("not built", "the package was installed without its CUDA extension")
-    else:
-        try:
-            importlib.import_module(_MODULE)
-            _state = ("loaded", "")
-        except Exception as exc:  # noqa: BLE001 - any load failure means "broken"
-            _state = ("broken", f"{type(exc).__name__}: {exc}")
-            if not _require():
-                warnings.warn(
-                    f"{_MODULE} is installed but failed to load ({_state[1]}); rebuild it with "
-                    "`pip install --no-build-isolation -e .`. CUDA tensors use torch indexing.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-    if _state[0] != "loaded" and _require() and "MCP_DISABLE_EXTENSION" not in _state[1]:
+    require = env_flag("MCP_REQUIRE_EXTENSION")
+    if _state is None:
+        _state = _probe()
+        if _state[0] == "broken" and not require:
+            warnings.warn(
+                f"{_MODULE} is installed but failed to load ({_state[1]}); rebuild it with "
+                "`pip install --no-build-isolation -e .`. CUDA tensors use torch indexing.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    if _state[0] != "loaded" and require and not env_flag("MCP_DISABLE_EXTENSION"):
         raise ImportError(f"MCP_REQUIRE_EXTENSION is set but {_MODULE} is {_state[0]}: {_state[1]}")
     return _state[0] == "loaded"
 

@@ -22,7 +22,7 @@ uint8 bytes, which carry no gradient; callers differentiate around it (mappings.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -33,7 +33,8 @@ __all__ = ["scatter_rows", "gather_rows", "has_cuda_kernels", "int_view_dtype"]
 _NAMESPACE = "megatron_cp"
 _lib = torch.library.Library(_NAMESPACE, "DEF")
 _lib.define(
-    "scatter_rows(Tensor packed, Tensor row_source, int[] offsets, int[] widths) -> Tensor[]"
+    "scatter_rows(Tensor packed, Tensor row_source, int[] offsets, int[] widths, "
+    "int? max_threads_per_row=None) -> Tensor[]"
 )
 _lib.define("gather_rows(Tensor src, Tensor index) -> Tensor")
 
@@ -91,7 +92,8 @@ class _MissingRows:
         return out.masked_fill_(mask, 0)
 
 
-def _scatter_rows_torch(packed, row_source, offsets, widths):
+def _scatter_rows_torch(packed, row_source, offsets, widths, max_threads_per_row=None):
+    # max_threads_per_row tunes the CUDA kernel only; torch indexing has nothing to tune.
     missing = _MissingRows(row_source)
     outs = []
     for off, width in zip(offsets, widths):
@@ -126,7 +128,7 @@ _lib.impl("gather_rows", _gather_rows_torch, "CPU")
 
 
 @torch.library.register_fake(f"{_NAMESPACE}::scatter_rows", lib=_lib)
-def _scatter_rows_fake(packed, row_source, offsets, widths):
+def _scatter_rows_fake(packed, row_source, offsets, widths, max_threads_per_row=None):
     return [packed.new_empty((row_source.shape[0], width)) for width in widths]
 
 
@@ -163,7 +165,7 @@ _HAS_CUDA_KERNELS = _extension.load()
 
 if not _HAS_CUDA_KERNELS:
 
-    def _scatter_rows_fallback(packed, row_source, offsets, widths):
+    def _scatter_rows_fallback(packed, row_source, offsets, widths, max_threads_per_row=None):
         _extension.warn_fallback_once("scatter_rows")
         return _scatter_rows_torch(packed, row_source, offsets, widths)
 
@@ -199,6 +201,8 @@ def scatter_rows(
     row_source: torch.Tensor,
     offsets: Sequence[int],
     widths: Sequence[int],
+    *,
+    max_threads_per_row: Optional[int] = None,
 ) -> List[torch.Tensor]:
     """Unpacks the fields of the padded all-gather buffer into source order.
 
@@ -209,6 +213,9 @@ def scatter_rows(
             -1 for a row nobody owns (written as zeros). Values must be ``< slots``.
         offsets: byte offset of each field within a row.
         widths: byte width of each field; ``offsets[f] + widths[f] <= W``.
+        max_threads_per_row: tuning knob of the CUDA kernel for benchmarks: at most this many
+            threads (a power of two, 1 to 256) share one row. ``None`` keeps the kernel's
+            measured default (64, see ``csrc/row_copy.h``). No effect on CPU tensors.
 
     Returns:
         One new uint8 ``[S, widths[f]]`` tensor per field. No gradient (bytes).
@@ -227,13 +234,19 @@ def scatter_rows(
     widths = [int(w) for w in widths]
     if len(offsets) != len(widths):
         raise ValueError(f"got {len(offsets)} offsets but {len(widths)} widths")
+    if max_threads_per_row is not None:
+        t = max_threads_per_row
+        if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= 256 or t & (t - 1):
+            raise ValueError(f"max_threads_per_row must be a power of two in [1, 256], got {t!r}")
     row_bytes = packed.shape[1]
     for f, (off, width) in enumerate(zip(offsets, widths)):
         if off < 0 or width < 0 or off + width > row_bytes:
             raise ValueError(
                 f"field {f} covers bytes [{off}, {off + width}) of a {row_bytes}-byte row"
             )
-    return torch.ops.megatron_cp.scatter_rows(packed, row_source, offsets, widths)
+    return torch.ops.megatron_cp.scatter_rows(
+        packed, row_source, offsets, widths, max_threads_per_row=max_threads_per_row
+    )
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
