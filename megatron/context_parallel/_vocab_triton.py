@@ -74,7 +74,9 @@ def _tile_logits(
     return acc
 
 
-@triton.jit
+# Sizes that only bound loops or masks are not specialised on (no recompile per row count or
+# slice); strides and pointers keep Triton's divisibility specialisation (vector loads).
+@triton.jit(do_not_specialize=["n", "V", "H", "tiles_per_split", "num_splits"])
 def _stats_fwd_kernel(
     h_ptr,
     w_ptr,
@@ -197,7 +199,7 @@ def _stats_fwd_kernel(
         tl.store(topi_ptr + out, top_i, mask=rmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "V", "H", "v0", "width", "stride_ids", "stride_pos"])
 def _dlogits_kernel(
     h_ptr,
     w_ptr,
