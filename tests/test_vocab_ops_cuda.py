@@ -112,6 +112,45 @@ def test_stats_against_cpu_and_fp64(n, vocab, width, k, dtype, loading):
             assert torch.equal(ids.sort(dim=1).values, torch.arange(vocab).expand(n, vocab))
 
 
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_topk_exact_with_ties(fast_pass):
+    """Duplicated weight rows and integer data give exactly tied logits: the values must still be
+    the exact top-k multiset, the ids distinct and pointing at those values."""
+    gen = torch.Generator().manual_seed(21)
+    base = torch.randint(-3, 4, (7, 64), generator=gen).float()
+    weight = base[torch.randint(0, 7, (1500,), generator=gen)].to(torch.bfloat16).cuda()
+    hidden = torch.randint(-3, 4, (300, 64), generator=gen).to(torch.bfloat16).cuda()
+    saved = vocab_ops.kernel_config("fwd_topk")
+    vocab_ops.set_kernel_config("fwd_topk", fast_pass=fast_pass)
+    try:
+        _, _, _, values, ids = vocab_stats(hidden, weight, None, 20)
+    finally:
+        vocab_ops.set_kernel_config("fwd_topk", **saved)
+    logits = hidden.float() @ weight.float().t()  # integers: exact in any order
+    assert torch.equal(values, logits.topk(20, dim=1).values)
+    assert torch.equal(logits.gather(1, ids), values)
+    assert torch.all(ids.sort(dim=1).values[:, 1:] != ids.sort(dim=1).values[:, :-1])
+
+
+def test_promoted_accumulation_is_at_least_as_exact():
+    hidden, weight, gen = _inputs(700, 4000, 1024, torch.bfloat16, 22)
+    target = torch.randint(0, 4000, (700,), generator=gen).cuda()
+    exact = (hidden.double() * weight[target].double()).sum(dim=1)
+    plain = vocab_stats(hidden, weight, target, 5)
+    saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk")}
+    for key in saved:
+        vocab_ops.set_kernel_config(key, promote=True)
+    try:
+        promoted = vocab_stats(hidden, weight, target, 5)
+    finally:
+        for key, cfg in saved.items():
+            vocab_ops.set_kernel_config(key, **cfg)
+    err_plain = (plain[2].double() - exact).abs().max().item()
+    err_promoted = (promoted[2].double() - exact).abs().max().item()
+    assert err_promoted <= err_plain + 1e-7, (err_promoted, err_plain)
+    assert torch.equal(plain[4], promoted[4]) or (plain[3] - promoted[3]).abs().max() < 1e-3
+
+
 def test_all_targets_outside_and_no_target():
     hidden, weight, _ = _inputs(150, 333, 64, torch.bfloat16, 3)
     outside = torch.full((150,), IGNORE, device="cuda")

@@ -46,11 +46,16 @@ def _tile_logits(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     """fp32 ``[BM, BN]`` logits: hidden rows ``row0..`` dot weight rows ``col0..`` over ``H``.
 
     With ``USE_TMA`` the tiles come through tensor descriptors (the copy engine zero-fills rows
-    past the end); otherwise through ``[BM, BK]`` / ``[BN, BK]`` pointer blocks.
+    past the end); otherwise through ``[BM, BK]`` / ``[BN, BK]`` pointer blocks. With
+    ``PROMOTE`` each ``BK`` block's product is summed by the tensor cores from zero and added to the
+    running sum with ordinary (round-to-nearest) fp32 adds: the tensor cores' accumulation into a
+    large running sum is less exact than IEEE fp32 (measured: NOTES.md "Head kernels"), at the
+    cost of a second ``[BM, BN]`` fp32 tile in registers.
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     rk = tl.arange(0, BK)
@@ -67,11 +72,38 @@ def _tile_logits(
             b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        elif PROMOTE:
+            # An fma by 1.0, not "+=": Triton folds "acc + dot(a, b)" back into the tensor-core
+            # accumulation; the fma is one IEEE round-to-nearest add.
+            acc = tl.fma(tl.dot(a, tl.trans(b)), 1.0, acc)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BK
         b_ptrs += BK
     return acc
+
+
+@triton.jit
+def _pick_after(acc, cols, last_v, last_c, thr):
+    """Per row, the largest element after ``(last_v, last_c)`` in (value descending, column
+    ascending) order: its value, lowest column (BIG where it does not beat ``thr``) and highest
+    column of that value still after ``last_c`` (greater than the lowest: more ties remain)."""
+    after = (acc < last_v[:, None]) | ((acc == last_v[:, None]) & (cols[None, :] > last_c[:, None]))
+    best_v = tl.max(tl.where(after, acc, float("-inf")), axis=1)
+    hit = after & (acc == best_v[:, None]) & (best_v > thr)[:, None]
+    best_c = tl.min(tl.where(hit, cols[None, :], _BIG), axis=1)
+    return best_v, best_c, tl.max(tl.where(hit, cols[None, :], -1), axis=1)
+
+
+@triton.jit
+def _pick_below(acc, cols, last_v, thr):
+    """``_pick_after`` when no value equal to ``last_v`` remains (no tie at the last pick): the
+    largest element below ``last_v``, its lowest and highest column (equal when not tied)."""
+    best_v = tl.max(tl.where(acc < last_v[:, None], acc, float("-inf")), axis=1)
+    # best_v < last_v, so equality alone marks the candidates.
+    hit = (acc == best_v[:, None]) & (best_v > thr)[:, None]
+    best_c = tl.min(tl.where(hit, cols[None, :], _BIG), axis=1)
+    return best_v, best_c, tl.max(tl.where(hit, cols[None, :], -1), axis=1)
 
 
 # Sizes that only bound loops or masks are not specialised on (no recompile per row count or
@@ -103,6 +135,8 @@ def _stats_fwd_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PROMOTE: tl.constexpr,
+    FAST_PASS: tl.constexpr,
 ):
     # Programs that run together share a few row blocks and a few splits, so the hidden rows and
     # the weight tiles they stream are read from DRAM about once per step and then hit L2.
@@ -145,7 +179,20 @@ def _stats_fwd_kernel(
         cols_ld = (cols % V).to(tl.int64)
         b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
         acc = _tile_logits(
-            a_ptrs, b_ptrs, h_desc, w_desc, r * BM, tile * BN, H, BM, BN, BK, EVEN_K, IEEE, USE_TMA
+            a_ptrs,
+            b_ptrs,
+            h_desc,
+            w_desc,
+            r * BM,
+            tile * BN,
+            H,
+            BM,
+            BN,
+            BK,
+            EVEN_K,
+            IEEE,
+            USE_TMA,
+            PROMOTE,
         )
         acc = tl.where(cols[None, :] < V, acc, float("-inf"))
 
@@ -169,14 +216,21 @@ def _stats_fwd_kernel(
                 passes = tl.minimum(tl.max(above, axis=0), K)
                 last_v = tl.full((BM,), float("inf"), tl.float32)
                 last_c = tl.full((BM,), -1, tl.int32)
+                tied = tl.max(tl.zeros((BM,), tl.int32), axis=0)
                 for _ in range(passes):
-                    # Next element in (value descending, column ascending) order after the last.
-                    after = (acc < last_v[:, None]) | (
-                        (acc == last_v[:, None]) & (cols[None, :] > last_c[:, None])
-                    )
-                    best_v = tl.max(tl.where(after, acc, float("-inf")), axis=1)
-                    at_best = after & (acc == best_v[:, None])
-                    best_c = tl.min(tl.where(at_best, cols[None, :], _BIG), axis=1)
+                    # Next element in (value descending, column ascending) order after the last
+                    # pick. FAST_PASS: while no pick had an equal value at a higher column (rare),
+                    # "below the last value" is that order (9 instead of 11 operations per
+                    # element, but more registers); each branch reduces to [BM] vectors inside,
+                    # so no [BM, BN] temporary outlives it.
+                    if FAST_PASS:
+                        if tied == 0:
+                            best_v, best_c, hit_hi = _pick_below(acc, cols, last_v, thr)
+                        else:
+                            best_v, best_c, hit_hi = _pick_after(acc, cols, last_v, last_c, thr)
+                        tied = tl.max((hit_hi > best_c).to(tl.int32), axis=0)
+                    else:
+                        best_v, best_c, _ = _pick_after(acc, cols, last_v, last_c, thr)
                     take = best_v > thr
                     slot = tl.min(tl.where(top_v == thr[:, None], kcols[None, :], KP), axis=1)
                     put = take[:, None] & (kcols[None, :] == slot[:, None])
@@ -228,6 +282,7 @@ def _dlogits_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     # Grouped launch order (row blocks fastest within a group of column tiles' neighbours).
     pid = tl.program_id(0)
@@ -248,7 +303,20 @@ def _dlogits_kernel(
     a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
     b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
     acc = _tile_logits(
-        a_ptrs, b_ptrs, h_desc, w_desc, r * BM, v0 + c * BN, H, BM, BN, BK, EVEN_K, IEEE, USE_TMA
+        a_ptrs,
+        b_ptrs,
+        h_desc,
+        w_desc,
+        r * BM,
+        v0 + c * BN,
+        H,
+        BM,
+        BN,
+        BK,
+        EVEN_K,
+        IEEE,
+        USE_TMA,
+        PROMOTE,
     )
 
     row_max = tl.load(max_ptr + rows_ld)
@@ -301,19 +369,23 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def choose_splits(row_blocks: int, tiles: int, slots: int, max_splits: int = 64) -> int:
-    """Vocabulary splits per row block that minimise the wave-quantised run time.
+def choose_splits(row_blocks: int, tiles: int, slots: int, k: int = 0, max_splits: int = 64) -> int:
+    """Vocabulary splits per row block that minimise the modelled run time.
 
-    Every program walks ``ceil(tiles / S)`` tiles; ``ceil(row_blocks * S / slots)`` waves of them
-    run one after another. Ties go to fewer splits (each split adds a partial result per row and
-    restarts the running top-k).
+    Every program walks ``L = ceil(tiles / S)`` tiles; ``ceil(row_blocks * S / slots)`` waves of
+    them run one after another. With a top-k each split also restarts the running top-k: its first
+    tiles need up to ``k`` selection passes each, later ones one or two. A simulation on random
+    logits (128 rows, 256 columns, k = 20) gives about ``2.2 * k * sqrt(L)`` passes per split of
+    ``L`` tiles; one pass costs about 5% of a tile's matmul (H200, H = 5120). Starting a program
+    (pipeline fill, partial-result stores) is counted as a quarter tile. Ties go to fewer splits.
     """
     best, best_cost = 1, None
     for splits in range(1, max(1, min(tiles, max_splits)) + 1):
         per = -(-tiles // splits)
         waves = -(-(row_blocks * splits) // slots)
-        cost = waves * per
-        if best_cost is None or cost < best_cost:
+        passes = min(per * k, 2.2 * k * per**0.5)
+        cost = waves * (per + 0.25 + 0.05 * passes)
+        if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best
 
@@ -355,6 +427,8 @@ def launch_stats_fwd(hidden, weight, target, k, part, topv, topi, splits, cfg):
         EVEN_K=(h % bk == 0),
         IEEE=hidden.dtype.itemsize == 4,
         USE_TMA=use_tma,
+        PROMOTE=bool(cfg.get("promote")),
+        FAST_PASS=bool(cfg.get("fast_pass")),
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
     )
@@ -396,6 +470,7 @@ def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d,
         EVEN_K=(h % bk == 0),
         IEEE=hidden.dtype.itemsize == 4,
         USE_TMA=use_tma,
+        PROMOTE=bool(cfg.get("promote")),
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
     )

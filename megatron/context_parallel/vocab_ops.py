@@ -88,9 +88,11 @@ _BWD_SLICE_BYTES = 512 << 20
 # ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
 # that picks the number of vocabulary splits.
 _CONFIG = {
-    "fwd": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1),
-    "fwd_topk": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1),
-    "bwd": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8),
+    "fwd": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True),
+    "fwd_topk": dict(
+        BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True, fast_pass=False
+    ),
+    "bwd": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, tma=True),
 }
 
 
@@ -103,7 +105,9 @@ def set_kernel_config(name: str, **cfg) -> None:
     """Overrides entries of tile configuration ``name`` (benchmarks sweep with this).
 
     Keys: BM, BN, BK (tile), warps, stages, GROUP (row blocks per launch group), ctas_per_sm,
-    splits (forward: vocabulary splits per row block, or None for the wave model).
+    splits (forward: vocabulary splits per row block, or None for the cost model), tma (load
+    operands through tensor descriptors where possible), promote (sum each BK block's product
+    with IEEE fp32 adds: more exact logits, slower; see ``_vocab_triton._tile_logits``).
     """
     if name not in _CONFIG:
         raise ValueError(f"unknown kernel config {name!r}; expected one of {sorted(_CONFIG)}")
@@ -132,6 +136,19 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (RuntimeError, AttributeError, TypeError):
             _DTYPE_OUT_OK = False
     return torch.mm(a.float(), b.float())
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` into the fp32 ``out``, with no fp32 temporary of ``out``'s size."""
+    global _DTYPE_OUT_OK
+    if _low_precision_cuda(a):
+        try:
+            torch.ops.aten.mm.dtype_out(a, b, torch.float32, out=out)
+            _DTYPE_OUT_OK = True
+            return out
+        except (RuntimeError, AttributeError, TypeError):
+            _DTYPE_OUT_OK = False
+    return _addmm_fp32_(out.zero_(), a, b)
 
 
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -204,9 +221,17 @@ def _slice_width(n: int, vocab: int, chunk_size: int, elem_bytes: int, align: in
 
 
 def _backward_outputs(hidden, weight, want_hidden, want_weight, main_grad):
-    grad_h = hidden.new_zeros(hidden.shape) if want_hidden else hidden.new_empty((0,))
+    """The gradient tensors to return: zero-filled only when no slice will write them (n or Vs
+    is 0), else left uninitialised (every row is written)."""
+    empty = hidden.shape[0] == 0 or weight.shape[0] == 0
+    make = torch.zeros if empty else torch.empty
+    grad_h = (
+        make(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        if want_hidden
+        else hidden.new_empty((0,))
+    )
     if want_weight and main_grad is None:
-        grad_w = weight.new_zeros(weight.shape)
+        grad_w = make(weight.shape, dtype=weight.dtype, device=weight.device)
     else:
         grad_w = weight.new_empty((0,))
     return grad_h, grad_w
@@ -291,7 +316,7 @@ def forward_splits(n: int, vocab: int, k: int, slots: int) -> int:
         return int(cfg["splits"])
     row_blocks = -(-n // cfg["BM"])
     tiles = -(-vocab // cfg["BN"])
-    splits = _vocab_triton.choose_splits(row_blocks, tiles, slots * cfg["ctas_per_sm"])
+    splits = _vocab_triton.choose_splits(row_blocks, tiles, slots * cfg["ctas_per_sm"], k)
     per = -(-tiles // splits)
     return -(-tiles // per)
 
@@ -383,7 +408,7 @@ def _backward_kernel(
             if not several:
                 torch.mm(d, weight, out=grad_h)
             elif v0 == 0:
-                acc.copy_(_mm_fp32(d, weight[v0:v1]))
+                _mm_fp32_out(d, weight[v0:v1], acc)
             else:
                 _addmm_fp32_(acc, d, weight[v0:v1])
     if acc is not None:
