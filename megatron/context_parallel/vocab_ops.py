@@ -1,28 +1,509 @@
-"""Per-shard statistics of a vocab-parallel output layer, without materialising logits.
+"""Local building blocks of the vocab-parallel head: one tensor-parallel shard, no communication.
 
-Provisional torch implementation (every device); the fused kernels replace it.
+Two torch custom ops in the ``megatron_cp`` namespace, wrapped by two functions:
 
-``vocab_stats(hidden [n, H], weight [Vs, H], target int64 [n] | None, k, chunk_size)`` returns,
-for the fp32 logits ``l = hidden @ weight.T`` (fp32 accumulation, never rounded to the input
-dtype): ``row_max`` fp32 ``[n]``, ``sum_exp = sum_j exp(l_ij - row_max_i)`` fp32 ``[n]``,
-``target_logit`` fp32 ``[n]`` (0 where the target is outside ``[0, Vs)``), the top-``k`` logits
-fp32 ``[n, k]`` (descending) and their shard-local ids int64 ``[n, k]``.
+``vocab_stats(hidden, weight, target, k, chunk_size) -> (row_max, sum_exp, target_logit,
+topk_values, topk_ids)``
+    ``hidden`` ``[n, H]`` and ``weight`` ``[Vs, H]`` (this rank's vocabulary shard), both bf16,
+    fp16 or fp32; ``target`` int64 ``[n]`` of shard-local ids or None (ids outside ``[0, Vs)``
+    are not in this shard). The logits ``l = hidden @ weight.T`` are accumulated in fp32 and
+    KEPT in fp32, never rounded to the input dtype. Returns fp32 ``[n]`` ``row_max = max_j l``,
+    fp32 ``[n]`` ``sum_exp = sum_j exp(l - row_max)``, fp32 ``[n]`` ``target_logit = l[i,
+    target_i]`` (0.0 where the target is not in the shard), fp32 ``[n, k]`` top-k values
+    (descending) and int64 ``[n, k]`` their shard-local ids (exact where values are not tied).
+    Not differentiable by itself: the head's autograd Function calls the backward below.
 
 ``vocab_stats_backward(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size,
-want_hidden, want_weight)`` returns ``(grad_hidden | None, grad_weight | None)`` for
-``d_logits = grad_sum_exp * exp(l - row_max) + scatter(ids, grad_ids)`` (ids outside the shard
-ignored, duplicates added). Precision rule: ``d_logits`` is rounded once to the input dtype (as
-autograd of the plain matmul would), then each product accumulates in fp32 over its whole
-reduction and is rounded once.
+want_hidden, want_weight, *, main_grad=None) -> (grad_hidden, grad_weight)``
+    The gradient of any loss that reaches the forward's outputs through ``sum_exp`` (as
+    ``grad_sum_exp`` fp32 ``[n]``) and through logits picked at ``ids`` (int64 ``[n, m]``
+    shard-local, ids outside ``[0, Vs)`` ignored, duplicates adding up) with gradients
+    ``grad_ids`` fp32 ``[n, m]``::
+
+        d_logits[i, j] = grad_sum_exp[i] * exp(l[i, j] - row_max[i])
+                         + sum_c [ids[i, c] == j] * grad_ids[i, c]
+        grad_hidden = d_logits @ weight        # [n, H], hidden's dtype
+        grad_weight = d_logits.T @ hidden      # [Vs, H], weight's dtype
+
+    with ``l`` recomputed (nothing of size ``n x Vs`` is kept between forward and backward).
+    ``main_grad`` (fp32 ``[Vs, H]``, megatron's gradient-accumulation-fusion buffer): when given,
+    ``grad_weight`` is ADDED into it in fp32 and None is returned in its place.
+
+Logit precision on CUDA: the tensor cores accumulate in fp32 but not as IEEE round-to-nearest
+(H200, H = 5,120: 4.4e-5 max error on |logit| <= 8 against fp64, the same as cuBLAS bf16 GEMMs
+with fp32 output; cuBLAS fp32 SGEMM: 1.3e-5). ``set_kernel_config("fwd", promote=True)`` (and
+"fwd_topk", "bwd") adds each 64-wide K block's product with IEEE fp32 adds instead: 2.4e-6, at
+about 1.8x the forward time. The CPU path is IEEE fp32 on exact products.
+
+Precision rule (both directions, every path): logits in fp32; ``d_logits`` rounded ONCE to the
+input dtype (as autograd of a bf16 matmul does); each of the two gradient products accumulated
+in fp32 over its whole reduction dimension and rounded once. The backward walks the vocabulary
+in slices: each slice's ``grad_weight`` rows are one product over all ``n`` rows, and
+``grad_hidden`` is summed over the slices in an fp32 ``[n, H]`` accumulator, so no bf16 partial
+sum is ever added to.
+
+Paths:
+    * CPU: torch, on inputs upcast to fp32 (bf16 and fp16 products are exact in fp32), exact and
+      deterministic; the reference for the GPU path.
+    * CUDA: Triton kernels (``_vocab_triton``). The forward is one fused matmul whose epilogue
+      folds each logits tile into the row statistics; the logits never reach memory. The backward
+      recomputes the logits of a vocabulary slice in a fused kernel that writes ``d_logits`` in
+      the input dtype, then cuBLAS forms the slice's ``grad_weight`` rows (one GEMM, K = n) and
+      adds its ``grad_hidden`` share into the fp32 accumulator. Everything runs on the current
+      stream without host syncs, so CUDA graphs capture it.
+    * CUDA fallback: ``k > 64`` in the forward (the kernel keeps the running top-k in
+      registers) runs the torch path on the GPU, on cuBLAS logits with fp32 output, in chunks of
+      rows; so does everything when Triton cannot be imported (one warning).
+
+``chunk_size`` bounds working memory and never changes results beyond fp32 rounding order:
+    * forward: rows per chunk of the torch paths (the Triton kernel keeps no logits and ignores
+      it); None picks chunks of at most 256 MiB of fp32 logits.
+    * backward: vocabulary columns per slice on every path; None picks the widest balanced
+      slices whose ``d_logits`` (``[n, cols]``, input dtype) fit 512 MiB on CUDA (plus, when
+      ``grad_hidden`` is wanted over several slices, the fp32 ``[n, H]`` accumulator). Few,
+      wide slices are faster: each slice re-reads and re-writes that accumulator.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["vocab_stats", "vocab_stats_backward"]
+__all__ = ["vocab_stats", "vocab_stats_backward", "set_kernel_config", "kernel_config"]
+
+_NAMESPACE = "megatron_cp"
+_lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
+_lib.define(
+    "vocab_stats(Tensor hidden, Tensor weight, Tensor? target, int k, int chunk_size)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "vocab_stats_backward(Tensor hidden, Tensor weight, Tensor row_max, Tensor grad_sum_exp,"
+    " Tensor ids, Tensor grad_ids, int chunk_size, bool want_hidden, bool want_weight,"
+    " Tensor(a!)? main_grad) -> (Tensor, Tensor)"
+)
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KERNEL_MAX_K = 64
+_FWD_CHUNK_BYTES = 256 << 20
+_BWD_SLICE_BYTES = 512 << 20
+
+# Tile configurations of the Triton kernels (H200 sweep in NOTES.md "Head kernels").
+# ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
+# that picks the number of vocabulary splits.
+_CONFIG = {
+    "fwd": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True),
+    "fwd_topk": dict(
+        BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True, fast_pass=False
+    ),
+    "bwd": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, tma=True),
+}
+
+
+def kernel_config(name: str) -> dict:
+    """A copy of the tile configuration ``name`` ("fwd", "fwd_topk" or "bwd")."""
+    return dict(_CONFIG[name])
+
+
+def set_kernel_config(name: str, **cfg) -> None:
+    """Overrides entries of tile configuration ``name`` (benchmarks sweep with this).
+
+    Keys: BM, BN, BK (tile), warps, stages, GROUP (row blocks per launch group), ctas_per_sm,
+    splits (forward: vocabulary splits per row block, or None for the cost model), tma (load
+    operands through tensor descriptors where possible), promote (sum each BK block's product
+    with IEEE fp32 adds: more exact logits, slower; see ``_vocab_triton._tile_logits``).
+    """
+    if name not in _CONFIG:
+        raise ValueError(f"unknown kernel config {name!r}; expected one of {sorted(_CONFIG)}")
+    _CONFIG[name].update(cfg)
+
+
+# --- fp32 products of low-precision operands -----------------------------------------------------
+
+# None until first tried on a CUDA device: whether cuBLAS bf16/fp16 products with fp32 output
+# (aten mm / addmm ``out_dtype``, torch >= 2.8) are available.
+_DTYPE_OUT_OK: Optional[bool] = None
+
+
+def _low_precision_cuda(a: torch.Tensor) -> bool:
+    return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _DTYPE_OUT_OK is not False
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a @ b`` accumulated in fp32, without rounding the product to the inputs' dtype."""
+    global _DTYPE_OUT_OK
+    if _low_precision_cuda(a):
+        try:
+            out = torch.ops.aten.mm.dtype(a, b, torch.float32)
+            _DTYPE_OUT_OK = True
+            return out
+        except (RuntimeError, AttributeError, TypeError):
+            _DTYPE_OUT_OK = False
+    return torch.mm(a.float(), b.float())
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` into the fp32 ``out``, with no fp32 temporary of ``out``'s size."""
+    global _DTYPE_OUT_OK
+    if _low_precision_cuda(a):
+        try:
+            torch.ops.aten.mm.dtype_out(a, b, torch.float32, out=out)
+            _DTYPE_OUT_OK = True
+            return out
+        except (RuntimeError, AttributeError, TypeError):
+            _DTYPE_OUT_OK = False
+    return _addmm_fp32_(out.zero_(), a, b)
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` in place, ``acc`` fp32, the product accumulated in fp32."""
+    global _DTYPE_OUT_OK
+    if a.dtype == torch.float32:
+        return acc.addmm_(a, b)
+    if _low_precision_cuda(a):
+        try:
+            torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+            _DTYPE_OUT_OK = True
+            return acc
+        except (RuntimeError, AttributeError, TypeError):
+            _DTYPE_OUT_OK = False
+    # Upcast: bf16 / fp16 products are exact in fp32, so this is the same fp32 product.
+    return acc.addmm_(a.float(), b.float())
+
+
+# --- torch path (CPU, and CUDA fallback) ---------------------------------------------------------
+
+
+def _forward_chunk_rows(n: int, vocab: int, chunk_size: int) -> int:
+    if chunk_size > 0:
+        return chunk_size
+    return max(1, _FWD_CHUNK_BYTES // (4 * max(vocab, 1)))
+
+
+def _stats_torch(hidden, weight, target, k, chunk_size):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    row_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    sum_exp = torch.zeros(n, dtype=torch.float32, device=dev)
+    target_logit = torch.zeros(n, dtype=torch.float32, device=dev)
+    top_v = torch.empty(n, k, dtype=torch.float32, device=dev)
+    top_i = torch.empty(n, k, dtype=torch.int64, device=dev)
+    if n == 0 or vocab == 0:
+        return row_max, sum_exp, target_logit, top_v, top_i
+    # On a CPU the weight is upcast once; on CUDA cuBLAS writes fp32 logits from bf16 operands.
+    weight_t = weight.t() if _low_precision_cuda(hidden) else weight.float().t()
+    if target is not None:
+        here = (target >= 0) & (target < vocab)
+        safe_target = torch.where(here, target, 0)
+    rows = _forward_chunk_rows(n, vocab, chunk_size)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        logits = _mm_fp32(hidden[start:end], weight_t)
+        chunk_max = logits.amax(dim=1)
+        row_max[start:end] = chunk_max
+        if target is not None:
+            picked = logits.gather(1, safe_target[start:end, None]).squeeze(1)
+            target_logit[start:end] = torch.where(here[start:end], picked, 0.0)
+        if k:
+            values, ids = logits.topk(k, dim=1)
+            top_v[start:end] = values
+            top_i[start:end] = ids
+        # The chunk's logits buffer becomes exp(l - max) in place: one [rows, Vs] fp32 tensor.
+        sum_exp[start:end] = logits.sub_(chunk_max[:, None]).exp_().sum(dim=1)
+    return row_max, sum_exp, target_logit, top_v, top_i
+
+
+def _slice_width(n: int, vocab: int, chunk_size: int, elem_bytes: int, align: int) -> int:
+    """Vocabulary columns per backward slice (explicit, or the widest balanced one in budget)."""
+    if chunk_size > 0:
+        return max(1, min(chunk_size, vocab))
+    widest = max(align, _BWD_SLICE_BYTES // (elem_bytes * max(n, 1)))
+    slices = -(-vocab // widest)
+    width = -(-vocab // slices)
+    width = -(-width // align) * align
+    return max(1, min(width, vocab))
+
+
+def _backward_outputs(hidden, weight, want_hidden, want_weight, main_grad):
+    """The gradient tensors to return: zero-filled only when no slice will write them (n or Vs
+    is 0), else left uninitialised (every row is written)."""
+    empty = hidden.shape[0] == 0 or weight.shape[0] == 0
+    make = torch.zeros if empty else torch.empty
+    grad_h = (
+        make(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        if want_hidden
+        else hidden.new_empty((0,))
+    )
+    if want_weight and main_grad is None:
+        grad_w = make(weight.shape, dtype=weight.dtype, device=weight.device)
+    else:
+        grad_w = weight.new_empty((0,))
+    return grad_h, grad_w
+
+
+def _backward_torch(
+    hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w, main_grad
+):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    grad_h, grad_w = _backward_outputs(hidden, weight, want_h, want_w, main_grad)
+    if n == 0 or vocab == 0 or not (want_h or want_w):
+        return grad_h, grad_w
+    width = _slice_width(n, vocab, chunk_size, 4, 1)
+    cuda_lp = _low_precision_cuda(hidden)
+    h32 = None if cuda_lp else hidden.float()
+    w32 = None if cuda_lp else weight.float()
+    inside = (ids >= 0) & (ids < vocab)
+    grad_ids = grad_ids.float()
+    acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+    for v0 in range(0, vocab, width):
+        v1 = min(v0 + width, vocab)
+        w_slice = weight[v0:v1]
+        logits = _mm_fp32(hidden, w_slice.t()) if cuda_lp else h32 @ w32[v0:v1].t()
+        d = logits.sub_(row_max[:, None]).exp_().mul_(grad_sum_exp[:, None])
+        local = ids - v0
+        here = inside & (local >= 0) & (local < v1 - v0)
+        # scatter_add_ sums duplicate ids; ids of other slices add 0.0 at a clamped column.
+        d.scatter_add_(1, local.clamp(0, v1 - v0 - 1), torch.where(here, grad_ids, 0.0))
+        d = d.to(hidden.dtype)  # the one rounding of d_logits
+        if want_w:
+            if main_grad is not None:
+                _addmm_fp32_(main_grad[v0:v1], d.t(), hidden)
+            elif cuda_lp:
+                grad_w[v0:v1] = torch.mm(d.t(), hidden)
+            else:
+                grad_w[v0:v1] = (d.float().t() @ h32).to(weight.dtype)
+        if want_h:
+            if cuda_lp:
+                _addmm_fp32_(acc, d, w_slice)
+            else:
+                acc.addmm_(d.float(), w32[v0:v1])
+    if want_h:
+        grad_h.copy_(acc)
+    return grad_h, grad_w
+
+
+# --- CUDA path -----------------------------------------------------------------------------------
+
+try:
+    from megatron.context_parallel import _vocab_triton
+
+    _TRITON_ERROR: Optional[BaseException] = None
+except Exception as exc:  # noqa: BLE001 - any import failure means "no kernels"
+    _vocab_triton = None
+    _TRITON_ERROR = exc
+
+_WARNED = set()
+_SM_COUNT = {}
+
+
+def _warn_once(what: str, why: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(f"megatron_cp::{what}: {why}; using the torch path", stacklevel=3)
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def forward_splits(n: int, vocab: int, k: int, slots: int) -> int:
+    """Vocabulary splits per row block the forward kernel uses for this shape."""
+    cfg = _CONFIG["fwd_topk" if k else "fwd"]
+    if cfg.get("splits"):
+        return int(cfg["splits"])
+    row_blocks = -(-n // cfg["BM"])
+    tiles = -(-vocab // cfg["BN"])
+    splits = _vocab_triton.choose_splits(row_blocks, tiles, slots * cfg["ctas_per_sm"], k)
+    per = -(-tiles // splits)
+    return -(-tiles // per)
+
+
+def _stats_kernel(hidden, weight, target, k, slots):
+    """The Triton forward plus the tiny combine of the splits' partial results."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    cfg = _CONFIG["fwd_topk" if k else "fwd"]
+    hidden, weight = _row_major(hidden), _row_major(weight)
+    splits = forward_splits(n, vocab, k, slots)
+    # Rows of one split's launch: [max | sum_exp | target] per split, then the top-k slots.
+    part = torch.empty(splits, 3, n, dtype=torch.float32, device=hidden.device)
+    kp = _vocab_triton._next_pow2(max(k, 2)) if k else 0
+    top_v = torch.empty(splits, n, kp, dtype=torch.float32, device=hidden.device)
+    top_i = torch.empty(splits, n, kp, dtype=torch.int32, device=hidden.device)
+    _vocab_triton.launch_stats_fwd(hidden, weight, target, k, part, top_v, top_i, splits, cfg)
+    split_max = part[:, 0]
+    row_max = split_max.amax(dim=0)
+    sum_exp = (part[:, 1] * torch.exp(split_max - row_max)).sum(dim=0)
+    target_logit = part[:, 2].sum(dim=0)
+    if k:
+        cand_v = top_v.permute(1, 0, 2).reshape(n, splits * kp)
+        cand_i = top_i.permute(1, 0, 2).reshape(n, splits * kp)
+        values, where = cand_v.topk(k, dim=1)
+        ids = cand_i.gather(1, where).long()
+    else:
+        values = torch.empty(n, 0, dtype=torch.float32, device=hidden.device)
+        ids = torch.empty(n, 0, dtype=torch.int64, device=hidden.device)
+    return row_max, sum_exp, target_logit, values, ids
+
+
+def _stats_cuda(hidden, weight, target, k, chunk_size):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    if _vocab_triton is None:
+        _warn_once("vocab_stats", f"Triton unavailable ({_TRITON_ERROR})")
+        return _stats_torch(hidden, weight, target, k, chunk_size)
+    if n == 0 or vocab == 0 or k > _KERNEL_MAX_K:
+        return _stats_torch(hidden, weight, target, k, chunk_size)
+    return _stats_kernel(hidden, weight, target, k, _sm_count(hidden.device))
+
+
+def _backward_kernel(
+    hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w, main_grad
+):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    grad_h, grad_w = _backward_outputs(hidden, weight, want_h, want_w, main_grad)
+    if n == 0 or vocab == 0 or not (want_h or want_w):
+        return grad_h, grad_w
+    cfg = _CONFIG["bwd"]
+    bn = cfg["BN"]
+    hidden, weight = _row_major(hidden), _row_major(weight)
+    width = _slice_width(n, vocab, chunk_size, hidden.element_size(), bn)
+
+    # Ids sorted per row, those outside the shard moved to the end as ``vocab`` (a column no
+    # tile holds); the kernel finds each tile's run of ids from per-tile search positions.
+    if ids.shape[1] == 0:
+        keys = torch.full((n, 1), vocab, dtype=torch.int32, device=hidden.device)
+        key_grads = torch.zeros(n, 1, dtype=torch.float32, device=hidden.device)
+    else:
+        inside = (ids >= 0) & (ids < vocab)
+        keys, order = torch.where(inside, ids, vocab).to(torch.int32).sort(dim=1)
+        key_grads = grad_ids.float().gather(1, order)
+    row_max = row_max.float().contiguous()
+    grad_sum_exp = grad_sum_exp.float().contiguous()
+
+    d_buf = torch.empty(n, width, dtype=hidden.dtype, device=hidden.device)
+    several = width < vocab
+    acc = (
+        torch.empty(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        if want_h and several
+        else None
+    )
+    edges_base = torch.arange(0, -(-width // bn) + 1, device=hidden.device, dtype=torch.int32) * bn
+    for v0 in range(0, vocab, width):
+        v1 = min(v0 + width, vocab)
+        tiles = -(-(v1 - v0) // bn)
+        edges = (edges_base[: tiles + 1] + v0).clamp_(max=v1)
+        pos = torch.searchsorted(keys, edges.expand(n, tiles + 1).contiguous(), out_int32=True)
+        d = d_buf[:, : v1 - v0]
+        _vocab_triton.launch_dlogits(
+            hidden, weight, row_max, grad_sum_exp, keys, key_grads, pos, d, v0, cfg
+        )
+        if want_w:
+            if main_grad is not None:
+                _addmm_fp32_(main_grad[v0:v1], d.t(), hidden)
+            else:
+                torch.mm(d.t(), hidden, out=grad_w[v0:v1])
+        if want_h:
+            if not several:
+                torch.mm(d, weight, out=grad_h)
+            elif v0 == 0:
+                _mm_fp32_out(d, weight[v0:v1], acc)
+            else:
+                _addmm_fp32_(acc, d, weight[v0:v1])
+    if acc is not None:
+        grad_h.copy_(acc)
+    return grad_h, grad_w
+
+
+def _backward_cuda(
+    hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w, main_grad
+):
+    args = (hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w)
+    if _vocab_triton is None:
+        _warn_once("vocab_stats_backward", f"Triton unavailable ({_TRITON_ERROR})")
+        return _backward_torch(*args, main_grad)
+    return _backward_kernel(*args, main_grad)
+
+
+_lib.impl("vocab_stats", _stats_torch, "CPU")
+_lib.impl("vocab_stats", _stats_cuda, "CUDA")
+_lib.impl("vocab_stats_backward", _backward_torch, "CPU")
+_lib.impl("vocab_stats_backward", _backward_cuda, "CUDA")
+
+
+@torch.library.register_fake(f"{_NAMESPACE}::vocab_stats", lib=_lib)
+def _stats_fake(hidden, weight, target, k, chunk_size):
+    n = hidden.shape[0]
+    vec = hidden.new_empty((n,), dtype=torch.float32)
+    return (
+        vec,
+        hidden.new_empty((n,), dtype=torch.float32),
+        hidden.new_empty((n,), dtype=torch.float32),
+        hidden.new_empty((n, k), dtype=torch.float32),
+        hidden.new_empty((n, k), dtype=torch.int64),
+    )
+
+
+@torch.library.register_fake(f"{_NAMESPACE}::vocab_stats_backward", lib=_lib)
+def _backward_fake(
+    hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w, main_grad
+):
+    grad_h = hidden.new_empty(hidden.shape) if want_h else hidden.new_empty((0,))
+    wants_tensor = want_w and main_grad is None
+    grad_w = weight.new_empty(weight.shape) if wants_tensor else weight.new_empty((0,))
+    return grad_h, grad_w
+
+
+# --- public functions ----------------------------------------------------------------------------
+
+
+def _check_matrix(name: str, t, dtype=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _check_pair(hidden, weight) -> None:
+    _check_matrix("hidden", hidden)
+    _check_matrix("weight", weight)
+    if hidden.dtype not in _DTYPES:
+        raise ValueError(f"hidden must be bf16, fp16 or fp32, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight is {weight.dtype} but hidden is {hidden.dtype}")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight has {weight.shape[1]} columns but hidden has {hidden.shape[1]} (H must match)"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+
+
+def _check_rows(name: str, t, n: int, device, dtype, width=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    shape = (n,) if width is None else (n, width)
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but hidden is on {device}")
+
+
+def _chunk_arg(chunk_size) -> int:
+    if chunk_size is None:
+        return 0
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    return chunk_size
 
 
 def vocab_stats(
@@ -30,31 +511,35 @@ def vocab_stats(
     weight: torch.Tensor,
     target: Optional[torch.Tensor],
     k: int,
-    chunk_size: int,
+    chunk_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See the module docstring."""
-    n, shard = hidden.shape[0], weight.shape[0]
-    device = hidden.device
-    row_max = torch.empty(n, dtype=torch.float32, device=device)
-    sum_exp = torch.empty(n, dtype=torch.float32, device=device)
-    target_logit = torch.zeros(n, dtype=torch.float32, device=device)
-    top_values = torch.empty(n, k, dtype=torch.float32, device=device)
-    top_ids = torch.empty(n, k, dtype=torch.int64, device=device)
-    w32 = weight.float()
-    for start in range(0, n, chunk_size):
-        end = min(start + chunk_size, n)
-        logits = hidden[start:end].float() @ w32.t()
-        row_max[start:end] = logits.amax(dim=-1)
-        if target is not None:
-            t = target[start:end]
-            here = (t >= 0) & (t < shard)
-            picked = logits.gather(1, t.clamp(0, shard - 1)[:, None]).squeeze(1)
-            target_logit[start:end] = torch.where(here, picked, 0.0)
-        if k:
-            top_values[start:end], top_ids[start:end] = logits.topk(k, dim=-1)
-        # In place: the chunk's logits become their exponentials, no second [c, Vs] tensor.
-        sum_exp[start:end] = logits.sub_(row_max[start:end, None]).exp_().sum(dim=-1)
-    return row_max, sum_exp, target_logit, top_values, top_ids
+    """Per-row statistics of the fp32 logits ``hidden @ weight.T`` of one vocabulary shard.
+
+    Args:
+        hidden: ``[n, H]`` bf16, fp16 or fp32; n may be 0.
+        weight: ``[Vs, H]``, hidden's dtype and device (this rank's vocabulary shard).
+        target: int64 ``[n]`` shard-local ids, or None. Ids outside ``[0, Vs)`` are "not in this
+            shard" and give ``target_logit`` 0.0.
+        k: top-k width, ``0 <= k <= Vs``.
+        chunk_size: rows per chunk on the torch paths (CPU; CUDA with ``k > 64``); None picks
+            chunks of at most 256 MiB of fp32 logits. The CUDA kernel ignores it.
+
+    Returns:
+        ``(row_max, sum_exp, target_logit, topk_values, topk_ids)``: fp32 ``[n]`` max logit,
+        fp32 ``[n]`` ``sum_j exp(l_ij - row_max_i)``, fp32 ``[n]`` target logit, fp32 ``[n, k]``
+        descending logits, int64 ``[n, k]`` their shard-local ids. No autograd: the head's
+        Function calls ``vocab_stats_backward``.
+
+    Raises:
+        TypeError, ValueError: on wrong types, shapes, dtypes, devices or ``k``.
+    """
+    _check_pair(hidden, weight)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    if target is not None:
+        _check_rows("target", target, n, hidden.device, torch.int64)
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= vocab:
+        raise ValueError(f"k must be an int in [0, {vocab}] (the shard's vocabulary), got {k!r}")
+    return torch.ops.megatron_cp.vocab_stats(hidden, weight, target, k, _chunk_arg(chunk_size))
 
 
 def vocab_stats_backward(
@@ -64,27 +549,58 @@ def vocab_stats_backward(
     grad_sum_exp: torch.Tensor,
     ids: torch.Tensor,
     grad_ids: torch.Tensor,
-    chunk_size: int,
-    want_hidden: bool,
-    want_weight: bool,
+    chunk_size: Optional[int] = None,
+    want_hidden: bool = True,
+    want_weight: bool = True,
+    *,
+    main_grad: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """See the module docstring."""
-    n, shard = hidden.shape[0], weight.shape[0]
-    h32 = hidden.float()
-    grad_h32 = torch.zeros_like(h32) if want_hidden else None
-    grad_w = torch.empty_like(weight) if want_weight else None
-    rows = torch.arange(n, device=hidden.device)[:, None].expand_as(ids)
-    for start in range(0, shard, chunk_size):
-        end = min(start + chunk_size, shard)
-        w32 = weight[start:end].float()
-        d = (h32 @ w32.t()).sub_(row_max[:, None]).exp_().mul_(grad_sum_exp[:, None])
-        inside = (ids >= start) & (ids < end)
-        flat = rows[inside] * (end - start) + (ids[inside] - start)
-        d.view(-1).index_add_(0, flat, grad_ids[inside].float())
-        d = d.to(hidden.dtype).float()
-        if want_weight:
-            grad_w[start:end] = (d.t() @ h32).to(weight.dtype)
-        if want_hidden:
-            grad_h32 += d @ w32
-    grad_h = grad_h32.to(hidden.dtype) if want_hidden else None
-    return grad_h, grad_w
+    """Gradients of hidden and weight from gradients of ``sum_exp`` and of picked logits.
+
+    Args:
+        hidden, weight: the forward's inputs (``[n, H]``, ``[Vs, H]``, same dtype).
+        row_max: fp32 ``[n]``, the forward's ``row_max`` (the logits are recomputed).
+        grad_sum_exp: fp32 ``[n]``, the gradient reaching ``sum_exp``.
+        ids: int64 ``[n, m]`` shard-local ids of logits with a direct gradient (target, top-k);
+            ids outside ``[0, Vs)`` contribute nothing, repeated ids add up.
+        grad_ids: fp32 ``[n, m]``, their gradients.
+        chunk_size: vocabulary columns per backward slice; None picks the widest balanced
+            slices within a 512 MiB ``d_logits`` budget.
+        want_hidden, want_weight: which gradients to form.
+        main_grad: optional fp32 ``[Vs, H]`` buffer; ``grad_weight`` is added into it (fp32) and
+            None returned in its place.
+
+    Returns:
+        ``(grad_hidden, grad_weight)``: ``[n, H]`` in hidden's dtype and ``[Vs, H]`` in weight's
+        dtype, each None when not wanted. ``d_logits`` is rounded once to the input dtype; each
+        product is accumulated in fp32 over its whole reduction dimension and rounded once.
+
+    Raises:
+        TypeError, ValueError: on wrong types, shapes, dtypes or devices.
+    """
+    _check_pair(hidden, weight)
+    n, dev = hidden.shape[0], hidden.device
+    _check_rows("row_max", row_max, n, dev, torch.float32)
+    _check_rows("grad_sum_exp", grad_sum_exp, n, dev, torch.float32)
+    _check_matrix("ids", ids, torch.int64)
+    m = ids.shape[1]
+    _check_rows("ids", ids, n, dev, torch.int64, m)
+    _check_rows("grad_ids", grad_ids, n, dev, torch.float32, m)
+    if main_grad is not None:
+        _check_rows("main_grad", main_grad, weight.shape[0], dev, torch.float32, weight.shape[1])
+    grad_h, grad_w = torch.ops.megatron_cp.vocab_stats_backward(
+        hidden,
+        weight,
+        row_max,
+        grad_sum_exp,
+        ids,
+        grad_ids,
+        _chunk_arg(chunk_size),
+        bool(want_hidden),
+        bool(want_weight),
+        main_grad,
+    )
+    return (
+        grad_h if want_hidden else None,
+        grad_w if want_weight and main_grad is None else None,
+    )

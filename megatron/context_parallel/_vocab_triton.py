@@ -1,0 +1,476 @@
+"""Triton kernels of the vocab-parallel head (used by ``vocab_ops``; not a public module).
+
+Two kernels, both a ``hidden @ weight.T`` matmul with fp32 accumulation whose logits stay in
+registers:
+
+* ``_stats_fwd_kernel``: each program owns a block of ``BM`` rows and a contiguous range of
+  vocabulary tiles (a "split"). Per tile it runs the K loop, then folds the fp32 tile into running
+  per-row statistics: max, sum of ``exp(logit - max)`` (rescaled when the max grows), the target's
+  logit and an unsorted running top-k. Each program writes one partial result per row; a few torch
+  ops combine the splits (``combine_partials``).
+* ``_dlogits_kernel``: one ``[BM, BN]`` tile of a vocabulary slice per program. It recomputes the
+  logits and writes ``d = g_s * exp(logit - row_max) + (sum of grad_ids at ids equal to the
+  column)`` rounded ONCE to the output dtype; cuBLAS then forms dW and dH from it.
+
+Running top-k in the forward: a row keeps ``KP`` slots (a power of two; slots past ``K`` hold
++inf so they are never the minimum). The threshold is the row's smallest slot. Most tiles have no
+column above the threshold of any of their rows, and skip the selection with one scalar test; the
+others extract their candidates in descending (value, then lowest column) order, one per pass,
+each replacing the row's smallest slot, for at most ``max(count above threshold)`` passes.
+
+Works with Triton 3.6 and 3.8 (plain pointer loads; no tensor descriptors), and under
+``TRITON_INTERPRET=1`` on CPU tensors for small shapes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_BIG = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _tile_logits(
+    a_ptrs,
+    b_ptrs,
+    h_desc,
+    w_desc,
+    row0,
+    col0,
+    H,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PROMOTE: tl.constexpr,
+):
+    """fp32 ``[BM, BN]`` logits: hidden rows ``row0..`` dot weight rows ``col0..`` over ``H``.
+
+    With ``USE_TMA`` the tiles come through tensor descriptors (the copy engine zero-fills rows
+    past the end); otherwise through ``[BM, BK]`` / ``[BN, BK]`` pointer blocks. With
+    ``PROMOTE`` each ``BK`` block's product is summed by the tensor cores from zero and added to the
+    running sum with ordinary (round-to-nearest) fp32 adds: the tensor cores' accumulation into a
+    large running sum is less exact than IEEE fp32 (measured: NOTES.md "Head kernels"), at the
+    cost of a second ``[BM, BN]`` fp32 tile in registers.
+    """
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    rk = tl.arange(0, BK)
+    for k0 in range(0, H, BK):
+        if USE_TMA:
+            a = h_desc.load([row0, k0])
+            b = w_desc.load([col0, k0])
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = (k0 + rk) < H
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        elif PROMOTE:
+            # An fma by 1.0, not "+=": Triton folds "acc + dot(a, b)" back into the tensor-core
+            # accumulation; the fma is one IEEE round-to-nearest add.
+            acc = tl.fma(tl.dot(a, tl.trans(b)), 1.0, acc)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BK
+        b_ptrs += BK
+    return acc
+
+
+@triton.jit
+def _pick_after(acc, cols, last_v, last_c, thr):
+    """Per row, the largest element after ``(last_v, last_c)`` in (value descending, column
+    ascending) order: its value, lowest column (BIG where it does not beat ``thr``) and highest
+    column of that value still after ``last_c`` (greater than the lowest: more ties remain)."""
+    after = (acc < last_v[:, None]) | ((acc == last_v[:, None]) & (cols[None, :] > last_c[:, None]))
+    best_v = tl.max(tl.where(after, acc, float("-inf")), axis=1)
+    hit = after & (acc == best_v[:, None]) & (best_v > thr)[:, None]
+    best_c = tl.min(tl.where(hit, cols[None, :], _BIG), axis=1)
+    return best_v, best_c, tl.max(tl.where(hit, cols[None, :], -1), axis=1)
+
+
+@triton.jit
+def _pick_below(acc, cols, last_v, thr):
+    """``_pick_after`` when no value equal to ``last_v`` remains (no tie at the last pick): the
+    largest element below ``last_v``, its lowest and highest column (equal when not tied)."""
+    best_v = tl.max(tl.where(acc < last_v[:, None], acc, float("-inf")), axis=1)
+    # best_v < last_v, so equality alone marks the candidates.
+    hit = (acc == best_v[:, None]) & (best_v > thr)[:, None]
+    best_c = tl.min(tl.where(hit, cols[None, :], _BIG), axis=1)
+    return best_v, best_c, tl.max(tl.where(hit, cols[None, :], -1), axis=1)
+
+
+# Sizes that only bound loops or masks are not specialised on (no recompile per row count or
+# slice); strides and pointers keep Triton's divisibility specialisation (vector loads).
+@triton.jit(do_not_specialize=["n", "V", "H", "tiles_per_split", "num_splits"])
+def _stats_fwd_kernel(
+    h_ptr,
+    w_ptr,
+    h_desc,
+    w_desc,
+    tgt_ptr,
+    part_ptr,
+    topv_ptr,
+    topi_ptr,
+    n,
+    V,
+    H,
+    stride_h,
+    stride_w,
+    tiles_per_split,
+    num_splits,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    HAS_TARGET: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_R: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PROMOTE: tl.constexpr,
+    FAST_PASS: tl.constexpr,
+):
+    # Programs that run together share a few row blocks and a few splits, so the hidden rows and
+    # the weight tiles they stream are read from DRAM about once per step and then hit L2.
+    pid = tl.program_id(0)
+    num_r = tl.cdiv(n, BM)
+    width = GROUP_R * num_splits
+    first_r = (pid // width) * GROUP_R
+    size_r = tl.minimum(num_r - first_r, GROUP_R)
+    local = pid % width
+    r = first_r + local % size_r
+    split = local // size_r
+
+    rows = r * BM + tl.arange(0, BM)
+    # Rows past n read row (rows % n) instead of masking: the K loop stays mask-free and those
+    # rows are never stored.
+    rows_ld = (rows % n).to(tl.int64)
+    rk = tl.arange(0, BK)
+    a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
+
+    num_tiles = tl.cdiv(V, BN)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    s_i = tl.zeros((BM,), tl.float32)
+    t_i = tl.zeros((BM,), tl.float32)
+    if HAS_TARGET:
+        tgt = tl.load(tgt_ptr + rows_ld)
+        tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1).to(tl.int32)
+    if KP > 0:
+        kcols = tl.arange(0, KP)
+        # Slots past K hold +inf: never the row minimum, so never replaced, never output.
+        top_v = tl.where(kcols[None, :] < K, float("-inf"), float("inf")) + tl.zeros(
+            (BM, KP), tl.float32
+        )
+        top_i = tl.zeros((BM, KP), tl.int32) - 1
+
+    for tile in range(tile_lo, tile_hi):
+        cols = tile * BN + tl.arange(0, BN)
+        cols_ld = (cols % V).to(tl.int64)
+        b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
+        acc = _tile_logits(
+            a_ptrs,
+            b_ptrs,
+            h_desc,
+            w_desc,
+            r * BM,
+            tile * BN,
+            H,
+            BM,
+            BN,
+            BK,
+            EVEN_K,
+            IEEE,
+            USE_TMA,
+            PROMOTE,
+        )
+        acc = tl.where(cols[None, :] < V, acc, float("-inf"))
+
+        tile_max = tl.max(acc, axis=1)
+        m_new = tl.maximum(m_i, tile_max)
+        p = tl.exp2(acc * _LOG2E - (m_new * _LOG2E)[:, None])
+        s_i = s_i * tl.exp2((m_i - m_new) * _LOG2E) + tl.sum(p, axis=1)
+        m_i = m_new
+
+        if HAS_TARGET:
+            lo = tile * BN
+            here = (tgt >= lo) & (tgt < lo + BN)
+            if tl.max(here.to(tl.int32), axis=0) > 0:
+                pick = tl.where(cols[None, :] == tgt[:, None], acc, 0.0)
+                t_i += tl.sum(pick, axis=1)
+
+        if KP > 0:
+            thr = tl.min(top_v, axis=1)
+            if tl.max((tile_max > thr).to(tl.int32), axis=0) > 0:
+                above = tl.sum((acc > thr[:, None]).to(tl.int32), axis=1)
+                passes = tl.minimum(tl.max(above, axis=0), K)
+                last_v = tl.full((BM,), float("inf"), tl.float32)
+                last_c = tl.full((BM,), -1, tl.int32)
+                tied = tl.max(tl.zeros((BM,), tl.int32), axis=0)
+                for _ in range(passes):
+                    # Next element in (value descending, column ascending) order after the last
+                    # pick. FAST_PASS: while no pick had an equal value at a higher column (rare),
+                    # "below the last value" is that order (9 instead of 11 operations per
+                    # element, but more registers); each branch reduces to [BM] vectors inside,
+                    # so no [BM, BN] temporary outlives it.
+                    if FAST_PASS:
+                        if tied == 0:
+                            best_v, best_c, hit_hi = _pick_below(acc, cols, last_v, thr)
+                        else:
+                            best_v, best_c, hit_hi = _pick_after(acc, cols, last_v, last_c, thr)
+                        tied = tl.max((hit_hi > best_c).to(tl.int32), axis=0)
+                    else:
+                        best_v, best_c, _ = _pick_after(acc, cols, last_v, last_c, thr)
+                    take = best_v > thr
+                    slot = tl.min(tl.where(top_v == thr[:, None], kcols[None, :], KP), axis=1)
+                    put = take[:, None] & (kcols[None, :] == slot[:, None])
+                    top_v = tl.where(put, best_v[:, None], top_v)
+                    top_i = tl.where(put, best_c[:, None], top_i)
+                    thr = tl.min(top_v, axis=1)
+                    last_v = best_v
+                    last_c = best_c
+
+    rmask = rows < n
+    base = part_ptr + split * 3 * n + rows
+    tl.store(base, m_i, mask=rmask)
+    tl.store(base + n, s_i, mask=rmask)
+    tl.store(base + 2 * n, t_i, mask=rmask)
+    if KP > 0:
+        out = (split * n + rows).to(tl.int64)[:, None] * KP + kcols[None, :]
+        tl.store(
+            topv_ptr + out, tl.where(kcols[None, :] < K, top_v, float("-inf")), mask=rmask[:, None]
+        )
+        tl.store(topi_ptr + out, top_i, mask=rmask[:, None])
+
+
+@triton.jit(do_not_specialize=["n", "V", "H", "v0", "width", "stride_ids", "stride_pos"])
+def _dlogits_kernel(
+    h_ptr,
+    w_ptr,
+    h_desc,
+    w_desc,
+    max_ptr,
+    gs_ptr,
+    ids_ptr,
+    gid_ptr,
+    pos_ptr,
+    d_ptr,
+    n,
+    V,
+    H,
+    v0,
+    width,
+    stride_h,
+    stride_w,
+    stride_ids,
+    stride_pos,
+    stride_d,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_R: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PROMOTE: tl.constexpr,
+):
+    # Grouped launch order (row blocks fastest within a group of column tiles' neighbours).
+    pid = tl.program_id(0)
+    num_r = tl.cdiv(n, BM)
+    num_c = tl.cdiv(width, BN)
+    per_group = GROUP_R * num_c
+    first_r = (pid // per_group) * GROUP_R
+    size_r = tl.minimum(num_r - first_r, GROUP_R)
+    r = first_r + (pid % per_group) % size_r
+    c = (pid % per_group) // size_r
+
+    rows = r * BM + tl.arange(0, BM)
+    rows_ld = (rows % n).to(tl.int64)
+    local_cols = c * BN + tl.arange(0, BN)
+    cols = v0 + local_cols
+    cols_ld = (cols % V).to(tl.int64)
+    rk = tl.arange(0, BK)
+    a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
+    b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
+    acc = _tile_logits(
+        a_ptrs,
+        b_ptrs,
+        h_desc,
+        w_desc,
+        r * BM,
+        v0 + c * BN,
+        H,
+        BM,
+        BN,
+        BK,
+        EVEN_K,
+        IEEE,
+        USE_TMA,
+        PROMOTE,
+    )
+
+    row_max = tl.load(max_ptr + rows_ld)
+    g_s = tl.load(gs_ptr + rows_ld)
+    d = g_s[:, None] * tl.exp2(acc * _LOG2E - (row_max * _LOG2E)[:, None])
+
+    # Each row's ids are sorted; pos[row, c] .. pos[row, c + 1] are the ones inside this tile.
+    first = tl.load(pos_ptr + rows_ld * stride_pos + c)
+    stop = tl.load(pos_ptr + rows_ld * stride_pos + c + 1)
+    passes = tl.max(stop - first, axis=0)
+    for j in range(passes):
+        at = first + j
+        ok = at < stop
+        id_j = tl.load(ids_ptr + rows_ld * stride_ids + at, mask=ok, other=-1)
+        g_j = tl.load(gid_ptr + rows_ld * stride_ids + at, mask=ok, other=0.0)
+        d += tl.where(cols[None, :] == id_j[:, None], g_j[:, None], 0.0)
+
+    out = d_ptr + rows.to(tl.int64)[:, None] * stride_d + local_cols[None, :]
+    mask = (rows < n)[:, None] & (local_cols < width)[None, :]
+    tl.store(out, d.to(d_ptr.dtype.element_ty), mask=mask)
+
+
+# --- launch helpers ------------------------------------------------------------------------------
+
+
+def _descriptors(hidden, weight, bm, bn, bk, use_tma):
+    """Tensor descriptors of the two operands when the copy engine can load them, else the
+    tensors themselves (then unused by the kernel)."""
+    if not use_tma:
+        return hidden, weight
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (
+        TensorDescriptor.from_tensor(hidden, [bm, bk]),
+        TensorDescriptor.from_tensor(weight, [bn, bk]),
+    )
+
+
+def tma_ok(hidden, weight) -> bool:
+    """Whether the TMA variant can run: 2-byte dtypes, 16-byte aligned bases and row strides."""
+    if hidden.element_size() != 2 or not hidden.is_cuda:
+        return False
+    for t in (hidden, weight):
+        if t.data_ptr() % 16 or (t.stride(0) * 2) % 16 or t.stride(1) != 1:
+            return False
+    return True
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def choose_splits(row_blocks: int, tiles: int, slots: int, k: int = 0, max_splits: int = 64) -> int:
+    """Vocabulary splits per row block that minimise the modelled run time.
+
+    Every program walks ``L = ceil(tiles / S)`` tiles; ``ceil(row_blocks * S / slots)`` waves of
+    them run one after another. With a top-k each split also restarts the running top-k: its first
+    tiles need up to ``k`` selection passes each, later ones one or two. A simulation on random
+    logits (128 rows, 256 columns, k = 20) gives about ``2.2 * k * sqrt(L)`` passes per split of
+    ``L`` tiles; one pass costs about 5% of a tile's matmul (H200, H = 5120). Starting a program
+    (pipeline fill, partial-result stores) is counted as a quarter tile. Ties go to fewer splits.
+    """
+    best, best_cost = 1, None
+    for splits in range(1, max(1, min(tiles, max_splits)) + 1):
+        per = -(-tiles // splits)
+        waves = -(-(row_blocks * splits) // slots)
+        passes = min(per * k, 2.2 * k * per**0.5)
+        cost = waves * (per + 0.25 + 0.05 * passes)
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = splits, cost
+    return best
+
+
+def launch_stats_fwd(hidden, weight, target, k, part, topv, topi, splits, cfg):
+    """Runs the forward kernel into preallocated partials; returns nothing."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    tiles = triton.cdiv(v, bn)
+    per = triton.cdiv(tiles, splits)
+    kp = _next_pow2(max(k, 2)) if k else 0
+    grid = (triton.cdiv(n, bm) * splits,)
+    use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight)
+    h_desc, w_desc = _descriptors(hidden, weight, bm, bn, bk, use_tma)
+    _stats_fwd_kernel[grid](
+        hidden,
+        weight,
+        h_desc,
+        w_desc,
+        target if target is not None else hidden,
+        part,
+        topv,
+        topi,
+        n,
+        v,
+        h,
+        hidden.stride(0),
+        weight.stride(0),
+        per,
+        splits,
+        K=k,
+        KP=kp,
+        HAS_TARGET=target is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_R=cfg.get("GROUP", 8),
+        EVEN_K=(h % bk == 0),
+        IEEE=hidden.dtype.itemsize == 4,
+        USE_TMA=use_tma,
+        PROMOTE=bool(cfg.get("promote")),
+        FAST_PASS=bool(cfg.get("fast_pass")),
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+    )
+
+
+def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d, v0, cfg):
+    """Writes ``d[:, :width]`` (a ``[n, width]`` view) for vocabulary columns ``v0 .. v0+width``."""
+    n, h = hidden.shape
+    width = d.shape[1]
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    grid = (triton.cdiv(n, bm) * triton.cdiv(width, bn),)
+    use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight)
+    h_desc, w_desc = _descriptors(hidden, weight, bm, bn, bk, use_tma)
+    _dlogits_kernel[grid](
+        hidden,
+        weight,
+        h_desc,
+        w_desc,
+        row_max,
+        grad_sum_exp,
+        ids,
+        grad_ids,
+        pos,
+        d,
+        n,
+        weight.shape[0],
+        h,
+        v0,
+        width,
+        hidden.stride(0),
+        weight.stride(0),
+        ids.stride(0),
+        pos.stride(0),
+        d.stride(0),
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_R=cfg.get("GROUP", 8),
+        EVEN_K=(h % bk == 0),
+        IEEE=hidden.dtype.itemsize == 4,
+        USE_TMA=use_tma,
+        PROMOTE=bool(cfg.get("promote")),
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+    )

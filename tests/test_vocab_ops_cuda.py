@@ -1,0 +1,291 @@
+"""GPU tests of the vocab-parallel head ops: the Triton path against the CPU path and fp64.
+
+Skipped without CUDA. Shapes include N not a multiple of any tile, odd V, k = 1 and k = V (the
+kernel for V <= 64, the documented torch fallback above), all targets outside the shard, both
+operand-loading variants (tensor descriptors and pointers), CUDA-graph capture and replay,
+torch.compile and opcheck.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _vocab_ref import IGNORE, backward_fp64, logprobs_fp64, rel_err, shard_logprobs, stats_fp64
+
+from megatron.context_parallel import vocab_ops
+from megatron.context_parallel.vocab_ops import vocab_stats, vocab_stats_backward
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+
+
+@pytest.fixture
+def loading(request):
+    """Runs the test with the kernels loading operands through descriptors or pointers."""
+    saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
+    for key in saved:
+        vocab_ops.set_kernel_config(key, tma=request.param == "tma")
+    yield request.param
+    for key, cfg in saved.items():
+        vocab_ops.set_kernel_config(key, **cfg)
+
+
+def _inputs(n, vocab, width, dtype, seed, scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, width, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, width, generator=gen) * scale / width**0.5).to(dtype)
+    return hidden.cuda(), weight.cuda(), gen
+
+
+def _poison():
+    # Fill freed cache blocks with NaN so an output element nothing wrote shows up.
+    blob = torch.full((64 << 20,), float("nan"), device="cuda")
+    del blob
+
+
+SHAPES = [
+    # n, vocab, width, k
+    (1, 1, 16, 1),
+    (37, 101, 40, 5),
+    (130, 257, 64, 1),
+    (200, 999, 136, 20),
+    (300, 64, 128, 64),  # k = V inside the kernel
+    (77, 301, 96, 301),  # k = V > 64: torch fallback on the GPU
+    (1000, 5003, 256, 20),
+]
+
+
+# Every shape in bf16 with descriptors; the other dtypes and the pointer loads on a few (each
+# dtype and variant is a separate kernel compile).
+STATS_CASES = [(*s, torch.bfloat16, "tma") for s in SHAPES] + [
+    (*SHAPES[i], dtype, mode)
+    for i, dtype, mode in [
+        (1, torch.float16, "tma"),
+        (3, torch.float16, "tma"),
+        (1, torch.float32, "tma"),
+        (3, torch.float32, "tma"),
+        (1, torch.bfloat16, "pointers"),
+        (3, torch.bfloat16, "pointers"),
+        (4, torch.bfloat16, "pointers"),
+    ]
+]
+
+
+@pytest.mark.parametrize(
+    "n,vocab,width,k,dtype,loading", STATS_CASES, indirect=["loading"], ids=lambda x: str(x)
+)
+def test_stats_against_cpu_and_fp64(n, vocab, width, k, dtype, loading):
+    hidden, weight, gen = _inputs(n, vocab, width, dtype, n * 31 + vocab)
+    target = torch.randint(-3, vocab + 3, (n,), generator=gen)
+    target[::5] = IGNORE
+    _poison()
+    got = vocab_stats(hidden, weight, target.cuda(), k)
+    cpu = vocab_stats(hidden.cpu(), weight.cpu(), target, k)
+    ref_max, ref_sum, ref_pick, ref_values, _, logits = stats_fp64(
+        hidden.cpu(), weight.cpu(), target, k
+    )
+    scale = logits.abs().max().clamp(min=1).item()
+    tol = 3e-6 * scale * (width / 16) ** 0.5
+    for name, a, b in zip(
+        ("max", "target", "values"), got[:3:2] + got[3:4], (ref_max, ref_pick, ref_values)
+    ):
+        assert torch.isfinite(a).all(), name
+        assert (a.cpu().double() - b).abs().max().item() <= tol, name
+    ours_sum = got[1].cpu().double() * torch.exp(got[0].cpu().double() - ref_max)
+    assert rel_err(ours_sum, ref_sum) < 1e-5
+    torch.testing.assert_close(got[2].cpu(), cpu[2], rtol=0, atol=tol)
+    if k:
+        ids = got[4].cpu()
+        assert torch.all(got[3][:, 1:] <= got[3][:, :-1])
+        at_ids = logits.gather(1, ids)
+        assert (at_ids - got[3].cpu().double()).abs().max().item() <= tol
+        srt = logits.sort(dim=1, descending=True).values
+        if k < vocab:
+            clear = ((srt[:, :k] - srt[:, 1 : k + 1]) > 1e-3).all(dim=1)
+            assert torch.equal(ids[clear], logits.topk(k, dim=1).indices[clear])
+        else:
+            assert torch.equal(ids.sort(dim=1).values, torch.arange(vocab).expand(n, vocab))
+
+
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_topk_exact_with_ties(fast_pass):
+    """Duplicated weight rows and integer data give exactly tied logits: the values must still be
+    the exact top-k multiset, the ids distinct and pointing at those values."""
+    gen = torch.Generator().manual_seed(21)
+    base = torch.randint(-3, 4, (7, 64), generator=gen).float()
+    weight = base[torch.randint(0, 7, (1500,), generator=gen)].to(torch.bfloat16).cuda()
+    hidden = torch.randint(-3, 4, (300, 64), generator=gen).to(torch.bfloat16).cuda()
+    saved = vocab_ops.kernel_config("fwd_topk")
+    vocab_ops.set_kernel_config("fwd_topk", fast_pass=fast_pass)
+    try:
+        _, _, _, values, ids = vocab_stats(hidden, weight, None, 20)
+    finally:
+        vocab_ops.set_kernel_config("fwd_topk", **saved)
+    logits = hidden.float() @ weight.float().t()  # integers: exact in any order
+    assert torch.equal(values, logits.topk(20, dim=1).values)
+    assert torch.equal(logits.gather(1, ids), values)
+    assert torch.all(ids.sort(dim=1).values[:, 1:] != ids.sort(dim=1).values[:, :-1])
+
+
+def test_promoted_accumulation_is_at_least_as_exact():
+    hidden, weight, gen = _inputs(700, 4000, 1024, torch.bfloat16, 22)
+    target = torch.randint(0, 4000, (700,), generator=gen).cuda()
+    exact = (hidden.double() * weight[target].double()).sum(dim=1)
+    plain = vocab_stats(hidden, weight, target, 5)
+    saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk")}
+    for key in saved:
+        vocab_ops.set_kernel_config(key, promote=True)
+    try:
+        promoted = vocab_stats(hidden, weight, target, 5)
+    finally:
+        for key, cfg in saved.items():
+            vocab_ops.set_kernel_config(key, **cfg)
+    err_plain = (plain[2].double() - exact).abs().max().item()
+    err_promoted = (promoted[2].double() - exact).abs().max().item()
+    assert err_promoted <= err_plain + 1e-7, (err_promoted, err_plain)
+    assert torch.equal(plain[4], promoted[4]) or (plain[3] - promoted[3]).abs().max() < 1e-3
+
+
+def test_all_targets_outside_and_no_target():
+    hidden, weight, _ = _inputs(150, 333, 64, torch.bfloat16, 3)
+    outside = torch.full((150,), IGNORE, device="cuda")
+    outside[::2] = 333
+    got = vocab_stats(hidden, weight, outside, 3)
+    assert torch.all(got[2] == 0)
+    none = vocab_stats(hidden, weight, None, 3)
+    for a, b in zip(got[:2] + got[3:], none[:2] + none[3:]):
+        assert torch.equal(a, b)
+
+
+BWD_SHAPES = [(1, 3, 16, 1), (257, 999, 72, 21), (600, 2049, 128, 6)]
+BWD_CASES = [(*s, torch.bfloat16, c, "tma") for s in BWD_SHAPES for c in (None, 1, 100, 1000)] + [
+    (*BWD_SHAPES[1], torch.float16, 256, "tma"),
+    (*BWD_SHAPES[1], torch.float32, 256, "tma"),
+    (*BWD_SHAPES[2], torch.bfloat16, 1000, "pointers"),
+]
+
+
+@pytest.mark.parametrize(
+    "n,vocab,width,m,dtype,chunk,loading", BWD_CASES, indirect=["loading"], ids=lambda x: str(x)
+)
+def test_backward_against_cpu_and_fp64(n, vocab, width, m, dtype, chunk, loading):
+    hidden, weight, gen = _inputs(n, vocab, width, dtype, n + vocab + m)
+    row_max = vocab_stats(hidden, weight, None, 0)[0]
+    g_s = torch.randn(n, generator=gen).cuda()
+    ids = torch.randint(-3, vocab + 3, (n, m), generator=gen)
+    if m > 1:
+        ids[:, -1] = ids[:, 0]
+    ids = ids.cuda()
+    g_ids = torch.randn(n, m, generator=gen).cuda()
+    _poison()
+    gh, gw = vocab_stats_backward(hidden, weight, row_max, g_s, ids, g_ids, chunk)
+    ref_h, ref_w = backward_fp64(
+        hidden.cpu(), weight.cpu(), row_max.cpu(), g_s.cpu(), ids.cpu(), g_ids.cpu()
+    )
+    cpu_h, cpu_w = vocab_stats_backward(
+        hidden.cpu(), weight.cpu(), row_max.cpu(), g_s.cpu(), ids.cpu(), g_ids.cpu(), chunk
+    )
+    for got, ref, cpu in ((gh, ref_h, cpu_h), (gw, ref_w, cpu_w)):
+        assert torch.isfinite(got).all()
+        assert rel_err(got.cpu(), ref) <= GRAD_TOL[dtype]
+        # Same rule as the CPU path: within a few roundings of it.
+        assert rel_err(got.cpu(), cpu.double()) <= GRAD_TOL[dtype]
+
+
+def test_backward_single_gradient_and_main_grad():
+    hidden, weight, gen = _inputs(300, 700, 64, torch.bfloat16, 11)
+    row_max = vocab_stats(hidden, weight, None, 0)[0]
+    g_s = torch.randn(300, generator=gen).cuda()
+    ids = torch.randint(0, 700, (300, 4), generator=gen).cuda()
+    g_ids = torch.randn(300, 4, generator=gen).cuda()
+    both = vocab_stats_backward(hidden, weight, row_max, g_s, ids, g_ids, 256)
+    only_h = vocab_stats_backward(hidden, weight, row_max, g_s, ids, g_ids, 256, True, False)
+    only_w = vocab_stats_backward(hidden, weight, row_max, g_s, ids, g_ids, 256, False, True)
+    assert only_h[1] is None and only_w[0] is None
+    assert torch.equal(only_h[0], both[0]) and torch.equal(only_w[1], both[1])
+    main_grad = torch.randn(700, 64, device="cuda")
+    start = main_grad.clone()
+    out = vocab_stats_backward(hidden, weight, row_max, g_s, ids, g_ids, 256, main_grad=main_grad)
+    assert out[1] is None
+    assert rel_err(main_grad - start, both[1].double()) < 1e-2
+
+
+def test_composed_head_against_fp64():
+    hidden, weight, gen = _inputs(333, 1001, 96, torch.bfloat16, 12)
+    labels = torch.randint(0, 1001, (333,), generator=gen)
+    labels[::7] = IGNORE
+    labels = labels.cuda()
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    target_lp, top_lp, top_ids = shard_logprobs(h, w, labels, 20, None, 300)
+    ref_t, ref_top = logprobs_fp64(hidden.cpu(), weight.cpu(), labels.cpu(), top_ids.cpu())
+    assert (target_lp.cpu().double() - ref_t).abs().max() < 1e-5
+    assert (top_lp.cpu().double() - ref_top).abs().max() < 1e-5
+    u = torch.randn(333, device="cuda")
+    v = torch.randn(333, 20, device="cuda") * 0.1
+    ((target_lp * u).sum() + (top_lp * v).sum()).backward()
+    h64 = hidden.cpu().double().requires_grad_(True)
+    w64 = weight.cpu().double().requires_grad_(True)
+    t64, top64 = logprobs_fp64(h64, w64, labels.cpu(), top_ids.cpu())
+    ((t64 * u.cpu().double()).sum() + (top64 * v.cpu().double()).sum()).backward()
+    assert rel_err(h.grad.cpu(), h64.grad) < 1e-2
+    assert rel_err(w.grad.cpu(), w64.grad) < 1e-2
+
+
+def test_cuda_graph_capture_and_replay():
+    hidden, weight, gen = _inputs(500, 3001, 128, torch.bfloat16, 13)
+    labels = torch.randint(0, 3001, (500,), generator=gen).cuda()
+    g_s = torch.randn(500, generator=gen).cuda()
+    ids = torch.randint(0, 3001, (500, 21), generator=gen).cuda()
+    g_ids = torch.randn(500, 21, generator=gen).cuda()
+
+    def step():
+        m, s, t, v, i = vocab_stats(hidden, weight, labels, 20)
+        gh, gw = vocab_stats_backward(hidden, weight, m, g_s, ids, g_ids, 1000)
+        return m, s, t, v, i, gh, gw
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on the side stream compiles and autotunes outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    hidden.copy_(torch.randn_like(hidden))
+    graph.replay()
+    fresh = step()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, fresh):
+        assert torch.equal(a, b)
+    assert not torch.equal(captured[0], eager[0])
+
+
+def test_torch_compile_and_opcheck():
+    hidden, weight, gen = _inputs(65, 129, 32, torch.bfloat16, 14)
+    labels = torch.randint(0, 129, (65,), generator=gen).cuda()
+
+    def fn(h, w, t):
+        m, s, tl, v, i = vocab_stats(h, w, t, 4)
+        lse = m + torch.log(s)
+        return tl - lse, v - lse[:, None], i
+
+    compiled = torch.compile(fn, fullgraph=True)
+    for a, b in zip(compiled(hidden, weight, labels), fn(hidden, weight, labels)):
+        torch.testing.assert_close(a, b)
+    row_max = vocab_stats(hidden, weight, None, 0)[0]
+    g_s = torch.randn(65, device="cuda")
+    ids = torch.randint(0, 129, (65, 3), device="cuda")
+    g_ids = torch.randn(65, 3, device="cuda")
+    ops = torch.ops.megatron_cp
+    torch.library.opcheck(ops.vocab_stats.default, (hidden, weight, labels, 4, 0))
+    torch.library.opcheck(
+        ops.vocab_stats_backward.default,
+        (hidden, weight, row_max, g_s, ids, g_ids, 64, True, True, None),
+    )
