@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, run the kernel benchmark.
 #
-# Usage (repo root): benchmarks/run_device.sh [all|build-test|bench|tune|image]   (default all)
+# Usage (repo root): benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors]
+# (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
 #
 # "image" installs as the Dockerfile does (docker/install.sh, megatron-core from the wheels in
 # .whl: carry it), runs docker/smoke.py, the GPU tests, the CPU suites of the gather, head and
 # model on this machine's torch, the probe example on one GPU (NCCL, CP 1) and the tuning sweep.
+#
+# "head-and-errors" (no extension build: the row ops fall back to torch, which is exact) runs the
+# head's GPU tests (CUDA vs CPU, one rank and TP 2 x CP 2 over gloo), the bad-input matrix on
+# CUDA tensors over gloo, the exchange's per-call cost (bench_exchange.py, NCCL and gloo), and
+# the head benchmark (bench_head.py; liger-kernel and cut-cross-entropy wheels from .whl: carry
+# it). Logs: head_tests.log, no_hang.log, exchange_nccl.log, exchange_gloo.log, head_bench.*.
 set -uo pipefail
 
 mode="${1:-all}"
@@ -34,6 +41,28 @@ fi
 } 2>&1 | tee "$out/env.txt"
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if [[ "$mode" == head-and-errors ]]; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  echo "== head GPU tests"
+  timeout 240 "$py" -m pytest tests/test_head_cuda.py -q -rs -p no:cacheprovider 2>&1 \
+    | tee "$out/head_tests.log" | tail -n 15
+  echo "== bad-input matrix, CPU and CUDA tensors over gloo"
+  timeout 240 "$py" -m pytest tests/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
+    | tee "$out/no_hang.log" | tail -n 8
+  echo "== exchange cost"
+  timeout 90 "$py" benchmarks/bench_exchange.py --backend nccl --device cuda 2>&1 \
+    | tee "$out/exchange_nccl.log" | tail -n 8
+  timeout 120 "$py" benchmarks/bench_exchange.py --backend gloo --device cuda --world 2 \
+    --reps 100 2>&1 | tee "$out/exchange_gloo.log" | tail -n 9
+  echo "== head benchmark"
+  timeout 300 "$py" benchmarks/bench_head.py --reps 4 --warmup 1 --out "$out" 2>&1 \
+    | tee "$out/head_bench.log" | tail -n 40
+  exit 0
+fi
 
 if [[ "$mode" == image ]]; then
   echo "== docker/install.sh --editable --wheel-dir .whl --require-cuda"

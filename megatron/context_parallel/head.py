@@ -74,8 +74,11 @@ class OutputOptions:
         gather_logits: False leaves ``logits`` rank-local (``[n_r, V/TP]``, as megatron's output
             layer makes it) and sets ``ForwardOutput.logits_are_local``; saves an ``[S, V]``
             copy per rank.
-        chunk_size: rows (or vocabulary columns) per chunk of the target log-prob and top-k
-            work; bounds its working memory to a few ``chunk_size x V/TP`` fp32 tensors.
+        chunk_size: None (default) lets the kernels choose; an int bounds the working memory
+            of the target log-prob and top-k work: rows per chunk of the forward's torch path
+            (the fused CUDA forward keeps no logits at all) and vocabulary columns per slice
+            of the backward (``d_logits`` of ``[n_r, chunk_size]``), the same results either
+            way up to fp32 summation order. See ``vocab_ops``.
         context_parallel_output_grad: True when CP ranks compute different losses on the full
             outputs, so output gradients are summed over CP (see the CP gather).
 
@@ -86,7 +89,7 @@ class OutputOptions:
     fields: Union[str, Sequence[str]] = ("hidden_states",)
     top_k: int = 0
     gather_logits: bool = True
-    chunk_size: int = 512
+    chunk_size: Optional[int] = None
     context_parallel_output_grad: bool = False
 
     def __post_init__(self):
@@ -98,7 +101,7 @@ class OutputOptions:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise errors.make("option", note=f"top_k must be an int >= 0, got {self.top_k!r}")
         size = self.chunk_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise errors.make("chunk_size", size if isinstance(size, int) else -1)
 
     @classmethod
@@ -221,6 +224,12 @@ class _LocalVocabStats(torch.autograd.Function):
     ``grad_sum_exp`` and sparse per-id gradients; the logits are recomputed there. The max
     needs no gradient: through the log-sum-exp combine, the max's own gradient and the one it
     causes through the sum cancel exactly, so the combine treats it as a constant.
+
+    The weight's gradient goes back to autograd, never straight into megatron's fp32
+    ``main_grad``: megatron's DDP hook drops ``param.grad`` once ``grad_added_to_main_grad`` is
+    set, which would lose the weight's other gradients (a tied embedding's lookup, the
+    ``logits`` field). ``vocab_ops.vocab_stats_backward(main_grad=...)`` does that addition for
+    callers who own every use of the weight.
     """
 
     @staticmethod
@@ -238,8 +247,8 @@ class _LocalVocabStats(torch.autograd.Function):
         hidden, weight, target, row_max, top_ids = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (want_h or want_w):
-            return None, None, None, None, None
-        n = hidden.shape[0]
+            return (None,) * 5
+        n, device = hidden.shape[0], hidden.device
         ids: List[torch.Tensor] = []
         grads: List[torch.Tensor] = []
         if ctx.has_target and grad_target is not None:
@@ -249,11 +258,9 @@ class _LocalVocabStats(torch.autograd.Function):
             ids.append(top_ids)
             grads.append(grad_top.float())
         if grad_sum_exp is None:
-            grad_sum_exp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        ids_t = (
-            torch.cat(ids, 1) if ids else torch.zeros(n, 0, dtype=torch.int64, device=hidden.device)
-        )
-        grads_t = torch.cat(grads, 1) if grads else torch.zeros(n, 0, device=hidden.device)
+            grad_sum_exp = torch.zeros(n, dtype=torch.float32, device=device)
+        ids_t = torch.cat(ids, 1) if ids else torch.zeros(n, 0, dtype=torch.int64, device=device)
+        grads_t = torch.cat(grads, 1) if grads else torch.zeros(n, 0, device=device)
         grad_h, grad_w = vocab_ops.vocab_stats_backward(
             hidden,
             weight,
@@ -273,7 +280,7 @@ def _vocab_parallel_logprobs(
     weight: torch.Tensor,
     labels: Optional[torch.Tensor],
     k: int,
-    chunk_size: int,
+    chunk_size: Optional[int],
     tp_group,
     tp_rank: int,
     tp_size: int,
@@ -347,7 +354,7 @@ class _HeadInputs:
             self.weight.shape[0],
             dtype,
             int(self.sequence_parallel),
-            self.options.chunk_size,
+            self.options.chunk_size or 0,
         ) + self.options.describe()
 
 
