@@ -48,10 +48,10 @@ if [[ "$mode" == head-and-errors ]]; then
       .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
   fi
   echo "== head GPU tests"
-  timeout 240 "$py" -m pytest tests/test_head_cuda.py -q -rs -p no:cacheprovider 2>&1 \
+  timeout 150 "$py" -m pytest tests/test_head_cuda.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$out/head_tests.log" | tail -n 15
   echo "== bad-input matrix, CPU and CUDA tensors over gloo"
-  timeout 240 "$py" -m pytest tests/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
+  timeout 150 "$py" -m pytest tests/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$out/no_hang.log" | tail -n 8
   echo "== exchange cost"
   timeout 90 "$py" benchmarks/bench_exchange.py --backend nccl --device cuda 2>&1 \
@@ -59,7 +59,7 @@ if [[ "$mode" == head-and-errors ]]; then
   timeout 120 "$py" benchmarks/bench_exchange.py --backend gloo --device cuda --world 2 \
     --reps 100 2>&1 | tee "$out/exchange_gloo.log" | tail -n 9
   echo "== head benchmark"
-  timeout 300 "$py" benchmarks/bench_head.py --reps 4 --warmup 1 --out "$out" 2>&1 \
+  timeout 150 "$py" benchmarks/bench_head.py --reps 3 --warmup 1 --out "$out" 2>&1 \
     | tee "$out/head_bench.log" | tail -n 40
   exit 0
 fi
