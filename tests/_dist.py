@@ -237,18 +237,27 @@ class DistributedPool:
     ``run(fn, *args)`` runs ``fn(rank, world_size, *args)`` on every rank and returns the
     per-rank results, raising ``WorkerError`` like ``run_distributed``. A job that times out or
     loses a rank leaves the group in an unknown state, so the pool is torn down and re-forked.
-    ``close()`` ends the ranks.
+    ``close()`` ends the ranks. ``start_method="spawn"`` for ranks that use CUDA: asking torch
+    whether CUDA exists (``torch.cuda.is_available()``) already makes a forked child's CUDA
+    unusable.
     """
 
-    def __init__(self, world_size: int, timeout: float = 120.0, pg_timeout: float = 60.0):
+    def __init__(
+        self,
+        world_size: int,
+        timeout: float = 120.0,
+        pg_timeout: float = 60.0,
+        start_method: str = "fork",
+    ):
         self.world_size = world_size
         self.timeout = timeout
         self.pg_timeout = pg_timeout
+        self.start_method = start_method
         self._procs: list = []
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context(self.start_method)
         port = _free_port()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]

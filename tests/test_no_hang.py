@@ -164,11 +164,13 @@ def _w_case(rank, world, kind, who, later, device):
 def pools():
     made = {}
 
-    def get(size):
-        if size not in made:
-            # A hard per-case timeout: a rank left waiting fails its case in seconds.
-            made[size] = DistributedPool(size, timeout=30)
-        return made[size]
+    def get(size, device="cpu"):
+        if (size, device) not in made:
+            # A hard per-case timeout: a rank left waiting fails its case in seconds. CUDA ranks
+            # are spawned: a parent that asked whether CUDA exists cannot fork CUDA users.
+            method = "spawn" if device == "cuda" else "fork"
+            made[size, device] = DistributedPool(size, timeout=60, start_method=method)
+        return made[size, device]
 
     yield get
     for pool in made.values():
@@ -186,7 +188,7 @@ def test_bad_input_raises_on_every_rank(pools, world, kind, device):
     pattern = KINDS[kind][1]
     for who in WHO:
         for later in (False, True):
-            errors = pools(world).run(_w_case, kind, who, later, device)
+            errors = pools(world, device).run(_w_case, kind, who, later, device)
             case = (kind, who, "later" if later else "first", world, device)
             for rank, error in enumerate(errors):
                 assert error is not None, f"rank {rank} did not raise: {case}"
