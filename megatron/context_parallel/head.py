@@ -344,6 +344,9 @@ class _HeadInputs:
     tp_size: int
     sequence_parallel: bool
 
+    # The length of ``describe()``: 7 values of the inputs, then ``OutputOptions.describe()``.
+    DESCRIBED = 7 + len(OutputOptions().describe())
+
     def describe(self) -> Tuple[int, ...]:
         """What the ranks of a TP group must share for their collectives to match."""
         dtype = _DTYPES.index(self.hidden.dtype) if self.hidden.dtype in _DTYPES else 9
@@ -423,7 +426,7 @@ def _agree_over_tensor_parallel(
     """
     if groups.group_rank_and_size(tp_group)[1] == 1:
         return problem
-    description = inputs.describe() if problem is None else (0,) * 11
+    description = inputs.describe() if problem is None else (0,) * _HeadInputs.DESCRIBED
     first, rows = groups.find_problem(problem, tp_group, description)
     return first if first is not None else groups.first_difference(rows)
 
