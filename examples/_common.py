@@ -290,6 +290,21 @@ def resolve_size(args, device: torch.device) -> list:
     return parse_ints(args.seq_lens)
 
 
+# TransformerConfig settings of the examples' models: fp32, built on the CPU RNG (the same
+# weights at every parallel size), no fused kernels (none exist on a CPU) and no dropout (so a
+# CP run can be compared with CP 1 number for number).
+PLAIN_FP32_CONFIG = dict(
+    use_cpu_initialization=True,
+    params_dtype=torch.float32,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    gradient_accumulation_fusion=False,
+    apply_rope_fusion=False,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
+
+
 def build_gpt(args, device: torch.device, max_seq_len: int):
     """A GPTModel whose weights depend only on ``args.seed``, not on the parallel layout.
 
@@ -309,14 +324,7 @@ def build_gpt(args, device: torch.device, max_seq_len: int):
         num_attention_heads=args.heads,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+        **PLAIN_FP32_CONFIG,
     )
     torch.manual_seed(args.seed)
     model = GPTModel(
@@ -330,6 +338,43 @@ def build_gpt(args, device: torch.device, max_seq_len: int):
 
 
 # ------------------------------------------------------------------------------------ output
+
+
+def plot_loss_curves(
+    path: str,
+    reference,
+    losses,
+    *,
+    reference_label: str,
+    label: str,
+    ylabel: str,
+    title: str,
+    xlabel: str,
+) -> None:
+    """Both loss curves on top, their absolute difference on a log scale below (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(reference) + 1))
+    diffs = [max(abs(a - b), 1e-12) for a, b in zip(reference, losses)]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
+    top.plot(steps, reference, "-", lw=2.5, color="#9ecae1", label=reference_label)
+    top.plot(steps, losses, "o--", ms=3, color="#08519c", label=label)
+    top.set_ylabel(ylabel)
+    top.set_title(title)
+    top.legend()
+    top.grid(alpha=0.3)
+    bottom.semilogy(steps, diffs, ".-", color="#cb181d")
+    bottom.set_xlabel(xlabel)
+    bottom.set_ylabel("|difference|\n(0 shown as 1e-12)")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def is_rank0() -> bool:

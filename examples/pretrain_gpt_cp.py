@@ -123,14 +123,7 @@ def model_provider(args, pre_process: bool, post_process: bool, vp_stage: Option
         # match those messages by posting order on gloo (megatron-LM turns it off there too).
         batch_p2p_comm=vpp is None,
         calculate_per_token_loss=args.calculate_per_token_loss,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+        **common.PLAIN_FP32_CONFIG,
     )
     return GPTModel(
         config,
@@ -289,29 +282,16 @@ def train(args, device, cp: int, pp: int, vpp: Optional[int], whole_state, label
 
 
 def plot(path: str, reference, losses, label: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = list(range(1, len(reference) + 1))
-    diffs = [max(abs(a - b), 1e-12) for a, b in zip(reference, losses)]
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    common.plot_loss_curves(
+        path,
+        reference,
+        losses,
+        reference_label="CP 1, PP 1",
+        label=label,
+        ylabel="lm loss (token-weighted mean)",
+        title="megatron-core pretraining under CP: the loss curve of CP 1",
+        xlabel="iteration",
     )
-    top.plot(steps, reference, "-", lw=2.5, color="#9ecae1", label="CP 1, PP 1")
-    top.plot(steps, losses, "o--", ms=3, color="#08519c", label=label)
-    top.set_ylabel("lm loss (token-weighted mean)")
-    top.set_title("megatron-core pretraining under CP: the loss curve of CP 1")
-    top.legend()
-    top.grid(alpha=0.3)
-    bottom.semilogy(steps, diffs, ".-", color="#cb181d")
-    bottom.set_xlabel("iteration")
-    bottom.set_ylabel("|difference|\n(0 shown as 1e-12)")
-    bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run(args, device: torch.device) -> None:

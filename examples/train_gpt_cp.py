@@ -145,29 +145,16 @@ def run_context_parallel(args, device, seq_lens, reference):
 
 
 def plot(path: str, reference, losses, label: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = list(range(1, len(reference) + 1))
-    diffs = [max(abs(a - b), 1e-12) for a, b in zip(reference, losses)]
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    common.plot_loss_curves(
+        path,
+        reference,
+        losses,
+        reference_label="CP 1 (one device)",
+        label=label,
+        ylabel="loss (mean token NLL)",
+        title="Synthetic-data GPT training: CP leaves the loss unchanged",
+        xlabel="step",
     )
-    top.plot(steps, reference, "-", lw=2.5, color="#9ecae1", label="CP 1 (one device)")
-    top.plot(steps, losses, "o--", ms=3, color="#08519c", label=label)
-    top.set_ylabel("loss (mean token NLL)")
-    top.set_title("Synthetic-data GPT training: CP leaves the loss unchanged")
-    top.legend()
-    top.grid(alpha=0.3)
-    bottom.semilogy(steps, diffs, ".-", color="#cb181d")
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("|difference|\n(0 shown as 1e-12)")
-    bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def train(args, device: torch.device) -> None:
