@@ -39,6 +39,7 @@ __all__ = [
     "find_problem",
     "agree",
     "first_difference",
+    "find_problem_or_difference",
     "raise_if_calls_differ",
 ]
 
@@ -252,6 +253,18 @@ def first_difference(
             other = next(v for v in values if v != values[0])
             return errors.make("calls_differ", i, values[0], other)
     return None
+
+
+def find_problem_or_difference(
+    problem: Optional[BaseException], group, call: Sequence[int] = ()
+) -> Optional[errors.InputError]:
+    """``find_problem``, then ``first_difference`` of the calls; the first found, or None.
+
+    For a group whose verdict must travel on to another group (TP before CP) instead of being
+    raised at once: raising here would leave the other group's ranks waiting.
+    """
+    first, rows = find_problem(problem, group, call)
+    return first if first is not None else first_difference(rows)
 
 
 def raise_if_calls_differ(rows: Sequence[Sequence[int]], skip: Sequence[int] = ()) -> None:

@@ -427,8 +427,7 @@ def _agree_over_tensor_parallel(
     if groups.group_rank_and_size(tp_group)[1] == 1:
         return problem
     description = inputs.describe() if problem is None else (0,) * _HeadInputs.DESCRIBED
-    first, rows = groups.find_problem(problem, tp_group, description)
-    return first if first is not None else groups.first_difference(rows)
+    return groups.find_problem_or_difference(problem, tp_group, description)
 
 
 def _local_fields(inputs: _HeadInputs, tp_group) -> Tuple[Dict[str, torch.Tensor], Any]:

@@ -568,8 +568,7 @@ def _agree(problem: Optional[BaseException], call, cp_group, tp_group) -> None:
     """
     first = None
     if tp_group is not None and groups.group_rank_and_size(tp_group)[1] > 1:
-        first, rows = groups.find_problem(problem, tp_group, call)
-        first = first or groups.first_difference(rows)
+        first = groups.find_problem_or_difference(problem, tp_group, call)
     first, rows = groups.find_problem(first or problem, cp_group, call)
     if first is None:
         # Every rank sees every row: all raise alike, or none.
