@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, run the kernel benchmark.
 #
-# Usage (repo root): benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors]
+# Usage (repo root):
+#   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -41,6 +42,21 @@ fi
 } 2>&1 | tee "$out/env.txt"
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if [[ "$mode" == head-sweep ]]; then
+  # The bad-input matrix on CUDA tensors (issue 11), the head kernels' schedule sweep on a full
+  # vocabulary and a TP-4 shard, then the head's GPU tests (every schedule variant).
+  echo "== bad-input matrix, CPU and CUDA tensors over gloo"
+  timeout 150 "$py" -m pytest tests/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
+    | tee "$out/no_hang.log" | tail -n 8
+  echo "== head schedule sweep"
+  timeout 330 "$py" benchmarks/bench_head.py --sweep --sweep-only --reps 4 --out "$out" 2>&1 \
+    | tee "$out/head_sweep.log" | tail -n 60
+  echo "== head GPU tests"
+  timeout 100 "$py" -m pytest tests/test_vocab_ops_cuda.py -q -x -rs -p no:cacheprovider 2>&1 \
+    | tee "$out/vocab_tests.log" | tail -n 15
+  exit 0
+fi
 
 if [[ "$mode" == head-and-errors ]]; then
   if compgen -G ".whl/*.whl" >/dev/null; then

@@ -26,10 +26,22 @@ GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 
 @pytest.fixture
 def loading(request):
-    """Runs the test with the kernels loading operands through descriptors or pointers."""
+    """Runs the test with the kernels loading operands through descriptors ("tma") or pointers,
+    or with descriptors and every loop schedule switched the other way round from the defaults
+    ("alt": forward tile loop flattened or not, backward persistent or one tile per program,
+    flattened or not, descriptor or pointer stores)."""
     saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
     for key in saved:
-        vocab_ops.set_kernel_config(key, tma=request.param == "tma")
+        vocab_ops.set_kernel_config(key, tma=request.param != "pointers")
+    if request.param == "alt":
+        bwd = saved["bwd"]
+        vocab_ops.set_kernel_config("fwd", flatten=not saved["fwd"].get("flatten"))
+        vocab_ops.set_kernel_config(
+            "bwd",
+            persistent=not bwd.get("persistent"),
+            flatten=not bwd.get("flatten"),
+            tma_store=not bwd.get("tma_store"),
+        )
     yield request.param
     for key, cfg in saved.items():
         vocab_ops.set_kernel_config(key, **cfg)
@@ -72,6 +84,10 @@ STATS_CASES = [(*s, torch.bfloat16, "tma") for s in SHAPES] + [
         (1, torch.bfloat16, "pointers"),
         (3, torch.bfloat16, "pointers"),
         (4, torch.bfloat16, "pointers"),
+        (1, torch.bfloat16, "alt"),
+        (3, torch.bfloat16, "alt"),
+        (6, torch.bfloat16, "alt"),
+        (3, torch.float32, "alt"),
     ]
 ]
 
@@ -112,20 +128,14 @@ def test_stats_against_cpu_and_fp64(n, vocab, width, k, dtype, loading):
             assert torch.equal(ids.sort(dim=1).values, torch.arange(vocab).expand(n, vocab))
 
 
-@pytest.mark.parametrize("fast_pass", [False, True])
-def test_topk_exact_with_ties(fast_pass):
+def test_topk_exact_with_ties():
     """Duplicated weight rows and integer data give exactly tied logits: the values must still be
     the exact top-k multiset, the ids distinct and pointing at those values."""
     gen = torch.Generator().manual_seed(21)
     base = torch.randint(-3, 4, (7, 64), generator=gen).float()
     weight = base[torch.randint(0, 7, (1500,), generator=gen)].to(torch.bfloat16).cuda()
     hidden = torch.randint(-3, 4, (300, 64), generator=gen).to(torch.bfloat16).cuda()
-    saved = vocab_ops.kernel_config("fwd_topk")
-    vocab_ops.set_kernel_config("fwd_topk", fast_pass=fast_pass)
-    try:
-        _, _, _, values, ids = vocab_stats(hidden, weight, None, 20)
-    finally:
-        vocab_ops.set_kernel_config("fwd_topk", **saved)
+    _, _, _, values, ids = vocab_stats(hidden, weight, None, 20)
     logits = hidden.float() @ weight.float().t()  # integers: exact in any order
     assert torch.equal(values, logits.topk(20, dim=1).values)
     assert torch.equal(logits.gather(1, ids), values)
@@ -167,6 +177,9 @@ BWD_CASES = [(*s, torch.bfloat16, c, "tma") for s in BWD_SHAPES for c in (None, 
     (*BWD_SHAPES[1], torch.float16, 256, "tma"),
     (*BWD_SHAPES[1], torch.float32, 256, "tma"),
     (*BWD_SHAPES[2], torch.bfloat16, 1000, "pointers"),
+    (*BWD_SHAPES[1], torch.bfloat16, None, "alt"),
+    (*BWD_SHAPES[2], torch.bfloat16, 1000, "alt"),
+    (*BWD_SHAPES[1], torch.float16, 256, "alt"),
 ]
 
 

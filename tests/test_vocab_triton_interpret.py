@@ -2,8 +2,8 @@
 
 Runs in a subprocess (the interpreter is chosen when the kernels are defined). Tiny tiles and
 shapes, fp16 and fp32 only (the interpreter's bf16 dot is wrong in Triton 3.8); several
-vocabulary splits, ties, both selection passes, promoted accumulation and backward slices, each
-against the module's torch path.
+vocabulary splits, ties, flattened tile loops, promoted accumulation, backward slices with one
+program per tile and with persistent programs, each against the module's torch path.
 """
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ for name in ("fwd", "fwd_topk", "bwd"):
     vo.set_kernel_config(name, BM=16, BN=16, BK=16, warps=4, stages=1, GROUP=2, tma=False)
 gen = torch.Generator().manual_seed(0)
 cases = [
-    # n, vocab, width, k, dtype, slots, fast_pass, promote
+    # n, vocab, width, k, dtype, slots, promote, flatten / persistent
     (37, 101, 40, 5, torch.float16, 3, False, False),
-    (5, 33, 16, 33, torch.float32, 2, True, False),
+    (37, 101, 40, 0, torch.float16, 3, False, True),
+    (5, 33, 16, 33, torch.float32, 2, False, False),
     (40, 70, 48, 1, torch.float16, 5, True, True),
-    (16, 64, 32, 0, torch.float32, 1, False, True),
+    (16, 64, 32, 0, torch.float32, 1, True, False),
 ]
-for n, vocab, width, k, dtype, slots, fast, promote in cases:
-    vo.set_kernel_config("fwd", promote=promote)
-    vo.set_kernel_config("fwd_topk", promote=promote, fast_pass=fast)
+for n, vocab, width, k, dtype, slots, promote, flat in cases:
+    vo.set_kernel_config("fwd", promote=promote, flatten=flat)
+    vo.set_kernel_config("fwd_topk", promote=promote)
+    vo.set_kernel_config("bwd", persistent=flat, flatten=flat, ctas_per_sm=1)
     h = torch.randn(n, width, generator=gen).to(dtype)
     w = (torch.randn(vocab, width, generator=gen) * 3 / width**0.5).to(dtype)
     target = torch.randint(-3, vocab + 3, (n,), generator=gen)
@@ -57,12 +59,12 @@ for n, vocab, width, k, dtype, slots, fast, promote in cases:
             assert err < 2e-3, (chunk, err)
 
 # Exact ties: integer data, few distinct weight rows.
-for fast in (False, True):
-    vo.set_kernel_config("fwd_topk", fast_pass=fast, promote=False)
+for slots in (1, 3):
+    vo.set_kernel_config("fwd_topk", promote=False)
     base = torch.randint(-3, 4, (5, 16), generator=gen).float()
     w = base[torch.randint(0, 5, (70,), generator=gen)].half()
     h = torch.randint(-3, 4, (20, 16), generator=gen).half()
-    got = vo._stats_kernel(h, w, None, 12, slots=3)
+    got = vo._stats_kernel(h, w, None, 12, slots=slots)
     logits = h.float() @ w.float().T
     assert torch.equal(got[3], logits.topk(12, dim=1).values)
     assert torch.equal(logits.gather(1, got[4]), got[3])

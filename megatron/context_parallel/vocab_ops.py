@@ -94,11 +94,23 @@ _BWD_SLICE_BYTES = 512 << 20
 # ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
 # that picks the number of vocabulary splits.
 _CONFIG = {
-    "fwd": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True),
-    "fwd_topk": dict(
-        BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True, fast_pass=False
+    "fwd": dict(
+        BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True, flatten=True
     ),
-    "bwd": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, tma=True),
+    "fwd_topk": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True),
+    "bwd": dict(
+        BM=128,
+        BN=256,
+        BK=64,
+        warps=8,
+        stages=3,
+        GROUP=16,
+        ctas_per_sm=1,
+        tma=True,
+        persistent=True,
+        flatten=True,
+        tma_store=True,
+    ),
 }
 
 
@@ -113,7 +125,10 @@ def set_kernel_config(name: str, **cfg) -> None:
     Keys: BM, BN, BK (tile), warps, stages, GROUP (row blocks per launch group), ctas_per_sm,
     splits (forward: vocabulary splits per row block, or None for the cost model), tma (load
     operands through tensor descriptors where possible), promote (sum each BK block's product
-    with IEEE fp32 adds: more exact logits, slower; see ``_vocab_triton._tile_logits``).
+    with IEEE fp32 adds: more exact logits, slower; see ``_vocab_triton._tile_logits``),
+    flatten (let Triton pipeline the operand loads across consecutive tiles of one program),
+    persistent ("bwd": one program per slot walking the tiles), tma_store ("bwd": ``d_logits``
+    written through a tensor descriptor).
     """
     if name not in _CONFIG:
         raise ValueError(f"unknown kernel config {name!r}; expected one of {sorted(_CONFIG)}")
@@ -375,6 +390,7 @@ def _backward_kernel(
     bn = cfg["BN"]
     hidden, weight = _row_major(hidden), _row_major(weight)
     width = _slice_width(n, vocab, chunk_size, hidden.element_size(), bn)
+    slots = _sm_count(hidden.device) * cfg["ctas_per_sm"] if hidden.is_cuda else 4
 
     # Ids sorted per row, those outside the shard moved to the end as ``vocab`` (a column no
     # tile holds); the kernel finds each tile's run of ids from per-tile search positions.
@@ -403,7 +419,7 @@ def _backward_kernel(
         pos = torch.searchsorted(keys, edges.expand(n, tiles + 1).contiguous(), out_int32=True)
         d = d_buf[:, : v1 - v0]
         _vocab_triton.launch_dlogits(
-            hidden, weight, row_max, grad_sum_exp, keys, key_grads, pos, d, v0, cfg
+            hidden, weight, row_max, grad_sum_exp, keys, key_grads, pos, d, v0, cfg, slots
         )
         if want_w:
             if main_grad is not None:
