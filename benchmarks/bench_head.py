@@ -116,6 +116,11 @@ _DEFAULTS = dict(
 )
 
 
+def current_configs():
+    """The three kernel configurations in force, as saved beside every result."""
+    return {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
+
+
 def set_config(key, cfg):
     """Replaces kernel config ``key`` by ``cfg`` (flags it lacks are reset, not kept)."""
     vocab_ops.set_kernel_config(key, **{**_DEFAULTS, **cfg})
@@ -688,7 +693,7 @@ def main(argv=None):
         del inputs
         print("\n".join(sweep_lines), flush=True)
         if args.sweep_only:
-            configs = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
+            configs = current_configs()
             print(f"configs: {json.dumps(configs)}")
             if args.out:
                 out = pathlib.Path(args.out)
@@ -703,7 +708,7 @@ def main(argv=None):
     def save():
         if not args.out:
             return
-        configs = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
+        configs = current_configs()
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_head.json").write_text(
@@ -721,7 +726,7 @@ def main(argv=None):
         print(f"shape {n}x{vocab}: {time.time() - t0:.1f} s", flush=True)
         print(markdown([res]).split("\n", 2)[2], flush=True)
         save()
-    configs = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
+    configs = current_configs()
     table = markdown(all_results)
     text = "\n".join([f"configs: {json.dumps(configs)}", *notes, *sweep_lines, "", table])
     save()

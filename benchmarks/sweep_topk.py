@@ -9,6 +9,7 @@ Results: benchmarks/RESULTS.md. From the repository root:
 from __future__ import annotations
 
 import torch
+from bench_head import time_ms  # the script's folder is on sys.path; bench_head adds the root
 
 from megatron.context_parallel import vocab_ops
 
@@ -25,21 +26,6 @@ CONFIGS = [
 ]
 
 
-def median_ms(fn, reps=3):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     device = torch.device("cuda")
     slots = torch.cuda.get_device_properties(device).multi_processor_count
@@ -52,8 +38,13 @@ def main():
         labels = torch.randint(0, vocab, (n,), device=device, generator=gen)
         for cfg in CONFIGS:
             vocab_ops.set_kernel_config("fwd_topk", **{**base, "splits": None, **cfg})
-            ms = median_ms(lambda h=hidden, w=weight, t=labels: vocab_ops.vocab_stats(h, w, t, 20))
-            gemm = median_ms(lambda h=hidden, w=weight: h @ w.t())
+            ms = time_ms(
+                lambda h=hidden, w=weight, t=labels: vocab_ops.vocab_stats(h, w, t, 20),
+                device,
+                3,
+                1,
+            )
+            gemm = time_ms(lambda h=hidden, w=weight: h @ w.t(), device, 3, 1)
             splits = vocab_ops.forward_splits(n, vocab, 20, slots)
             print(
                 f"{n}x{vocab} {cfg} splits={splits} ms={ms:.2f} gemm={gemm:.2f} "

@@ -352,25 +352,21 @@ def _descriptors(hidden, weight, bm, bn, bk, use_tma):
     )
 
 
-def tma_ok(hidden, weight) -> bool:
-    """Whether the TMA variant can run: 2-byte dtypes, 16-byte aligned bases and row strides."""
-    if hidden.element_size() != 2 or not hidden.is_cuda:
-        return False
-    for t in (hidden, weight):
-        if t.data_ptr() % 16 or (t.stride(0) * 2) % 16 or t.stride(1) != 1:
-            return False
-    return True
-
-
-def _tma_ok_out(d) -> bool:
-    """Whether the copy engine can store into ``d`` (a 2-D view): 2-byte dtype, 16-byte aligned
-    base and row stride, unit column stride."""
+def _tma_ok_tensor(t) -> bool:
+    """Whether the copy engine can address the 2-D tensor ``t``: a 2-byte dtype on the GPU,
+    16-byte aligned base and row stride, unit column stride."""
     return (
-        d.element_size() == 2
-        and d.data_ptr() % 16 == 0
-        and (d.stride(0) * 2) % 16 == 0
-        and d.stride(1) == 1
+        t.element_size() == 2
+        and t.is_cuda
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * 2) % 16 == 0
+        and t.stride(1) == 1
     )
+
+
+def tma_ok(hidden, weight) -> bool:
+    """Whether the TMA variant can load both operands."""
+    return _tma_ok_tensor(hidden) and _tma_ok_tensor(weight)
 
 
 def _next_pow2(x: int) -> int:
@@ -455,7 +451,7 @@ def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d,
     progs = min(tiles, slots) if cfg.get("persistent") and slots else tiles
     use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight)
     h_desc, w_desc = _descriptors(hidden, weight, bm, bn, bk, use_tma)
-    tma_store = bool(cfg.get("tma_store")) and use_tma and _tma_ok_out(d)
+    tma_store = bool(cfg.get("tma_store")) and use_tma and _tma_ok_tensor(d)
     if tma_store:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

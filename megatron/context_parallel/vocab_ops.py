@@ -390,6 +390,8 @@ def _backward_kernel(
     bn = cfg["BN"]
     hidden, weight = _row_major(hidden), _row_major(weight)
     width = _slice_width(n, vocab, chunk_size, hidden.element_size(), bn)
+    # Programs of a persistent d_logits launch; CPU tensors only reach here under Triton's
+    # interpreter (tests), where a few programs exercise the tile walk.
     slots = _sm_count(hidden.device) * cfg["ctas_per_sm"] if hidden.is_cuda else 4
 
     # Ids sorted per row, those outside the shard moved to the end as ``vocab`` (a column no
