@@ -44,6 +44,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "tests"))  # the reference Function lives beside the tests
 
 from _vocab_ref import IGNORE, shard_logprobs  # noqa: E402
+from _vocab_watch import reselected_rows  # noqa: E402
 
 from megatron.context_parallel import vocab_ops  # noqa: E402
 
@@ -113,6 +114,8 @@ _DEFAULTS = dict(
     tma_store=False,
     GROUP=8,
     ctas_per_sm=1,
+    grouped=False,
+    G=8,
 )
 
 
@@ -301,9 +304,13 @@ FWD_SWEEP = [
 ]
 # Session 3's removal selection (largest element of each of Q column groups per pass, removed
 # from the tile) took 2.4-3.2 GEMMs against 1.40-1.96 for ordered picks and was dropped.
+# Session 4: grouped candidates (each 32-column group's top two per tile offered to the running
+# top-k; rows where a left-out logit reaches the k-th are selected again over
+# every element) against selection over every element (sessions 1-3).
 TOPK_SWEEP = [
-    dict(_BASE),
-    dict(_BASE, flatten=True),
+    dict(_BASE, grouped=True, G=8),
+    dict(_BASE, grouped=True, G=8, flatten=True),
+    dict(_BASE, grouped=False),
 ]
 PROMOTE_SWEEP = [
     dict(_BASE, promote=True),
@@ -323,6 +330,8 @@ def _cfg_label(cfg):
     extra = "".join(f" {key}" for key in flags if cfg.get(key)) + (
         f" G{cfg['GROUP']}" if cfg.get("GROUP", 8) != 8 else ""
     )
+    if cfg.get("grouped"):
+        extra += " grouped"
     return f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['warps']} s{cfg['stages']} {tag}{extra}"
 
 
@@ -426,7 +435,22 @@ def backward_parts(hidden, weight, device, reps, gemm):
     return lines
 
 
-def sweep(inputs, device, reps, lines):
+def redone_rows(inputs):
+    """Per input, the share of rows whose top-k the grouped selection handed to the exact one
+    (with the current "fwd_topk" config)."""
+    label = _cfg_label(vocab_ops.kernel_config("fwd_topk"))
+    lines = [f"\nrows re-selected over every element (fwd_topk {label})\n"]
+    for hidden, weight, labels in inputs:
+        with reselected_rows(vocab_ops) as counts:
+            vocab_ops.vocab_stats(hidden, weight, labels, TOPK)
+            torch.cuda.synchronize()
+        n = hidden.shape[0]
+        redone = sum(counts)
+        lines.append(f"{n}x{weight.shape[0]}: {redone} of {n} ({100 * redone / n:.3f}%)")
+    return lines
+
+
+def sweep(inputs, device, reps, lines, kernels=("fwd", "fwd_topk", "promote", "bwd")):
     """Times the forward (k = 0, k = 20, promoted accumulation) and backward configs on every
     ``(hidden, weight, labels)`` of ``inputs``; keeps the fastest of each on average. Also logs
     the logits' precision and the backward's pieces on the first input."""
@@ -461,14 +485,19 @@ def sweep(inputs, device, reps, lines):
             )
         )
     rows = []
-    _best_of("fwd", FWD_SWEEP, cases["fwd"], device, reps, rows, lines)
-    _best_of("fwd_topk", TOPK_SWEEP, cases["fwd_topk"], device, reps, rows, lines)
-    plain = vocab_ops.kernel_config("fwd")
-    best = _best_of("fwd", PROMOTE_SWEEP, cases["promote"], device, reps, rows, lines)
-    if best:
-        PROMOTED = dict(best[1])
-    set_config("fwd", plain)
-    _best_of("bwd", BWD_SWEEP, cases["bwd"], device, reps, rows, lines)
+    if "fwd" in kernels:
+        _best_of("fwd", FWD_SWEEP, cases["fwd"], device, reps, rows, lines)
+    if "fwd_topk" in kernels:
+        _best_of("fwd_topk", TOPK_SWEEP, cases["fwd_topk"], device, reps, rows, lines)
+        lines += redone_rows(inputs)
+    if "promote" in kernels:
+        plain = vocab_ops.kernel_config("fwd")
+        best = _best_of("fwd", PROMOTE_SWEEP, cases["promote"], device, reps, rows, lines)
+        if best:
+            PROMOTED = dict(best[1])
+        set_config("fwd", plain)
+    if "bwd" in kernels:
+        _best_of("bwd", BWD_SWEEP, cases["bwd"], device, reps, rows, lines)
     lines.append("\nsweep (each config on each shape; GEMM = cuBLAS hidden @ weight.T)\n")
     lines.append("| kernel | shape | config | splits | ms | GEMMs |")
     lines.append("|---|---|---|---:|---:|---:|")
@@ -659,6 +688,11 @@ def main(argv=None):
         help="NxV shapes the sweep times every config on",
     )
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
+    parser.add_argument(
+        "--sweep-kernels",
+        default="fwd,fwd_topk,promote,bwd",
+        help="which sweeps to run (comma separated)",
+    )
     parser.add_argument("--no-refs", action="store_true", help="skip the error references")
     parser.add_argument(
         "--probe", action="store_true", help="check cuBLAS fp32-output entry points"
@@ -689,7 +723,7 @@ def main(argv=None):
             ).to(torch.bfloat16)
             labels = torch.randint(0, vocab, (n,), device=device, generator=gen)
             inputs.append((hidden, weight, labels))
-        sweep(inputs, device, max(2, args.reps // 2), sweep_lines)
+        sweep(inputs, device, max(2, args.reps // 2), sweep_lines, args.sweep_kernels.split(","))
         del inputs
         print("\n".join(sweep_lines), flush=True)
         if args.sweep_only:

@@ -2,7 +2,7 @@
 # One call on the GPU machine: build the extension, run the GPU tests, run the kernel benchmark.
 #
 # Usage (repo root):
-#   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep]
+#   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -43,6 +43,24 @@ fi
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
+if [[ "$mode" == topk ]]; then
+  # The top-k selection modes side by side (both shapes), then the head's GPU tests (in 8
+  # processes when pytest-xdist is carried in .whl: Triton compiles dominate their time).
+  xdist=()
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+  fi
+  echo "== top-k sweep"
+  timeout "${SWEEP_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --sweep --sweep-only \
+    --sweep-kernels fwd_topk --reps 6 --out "$out" 2>&1 | tee "$out/topk_sweep.log" | tail -n 30
+  echo "== head GPU tests"
+  timeout 300 "$py" -m pytest tests/test_vocab_ops_cuda.py tests/test_head_cuda.py -q -rs \
+    "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$out/vocab_tests.log" | tail -n 25
+  exit 0
+fi
+
 if [[ "$mode" == head-sweep ]]; then
   # The bad-input matrix on CUDA tensors (issue 11), the head kernels' schedule sweep on a full
   # vocabulary and a TP-4 shard, then the head's GPU tests (every schedule variant).
@@ -53,7 +71,7 @@ if [[ "$mode" == head-sweep ]]; then
   timeout 330 "$py" benchmarks/bench_head.py --sweep --sweep-only --reps 4 --out "$out" 2>&1 \
     | tee "$out/head_sweep.log" | tail -n 60
   echo "== head GPU tests"
-  timeout 100 "$py" -m pytest tests/test_vocab_ops_cuda.py -q -x -rs -p no:cacheprovider 2>&1 \
+  timeout 200 "$py" -m pytest tests/test_vocab_ops_cuda.py -q -x -rs -p no:cacheprovider 2>&1 \
     | tee "$out/vocab_tests.log" | tail -n 15
   exit 0
 fi

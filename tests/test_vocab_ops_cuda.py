@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _vocab_ref import IGNORE, backward_fp64, logprobs_fp64, rel_err, shard_logprobs, stats_fp64
+from _vocab_watch import reselected_rows
 
 from megatron.context_parallel import vocab_ops
 from megatron.context_parallel.vocab_ops import vocab_stats, vocab_stats_backward
@@ -27,15 +28,17 @@ GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 @pytest.fixture
 def loading(request):
     """Runs the test with the kernels loading operands through descriptors ("tma") or pointers,
-    or with descriptors and every loop schedule switched the other way round from the defaults
-    ("alt": forward tile loop flattened or not, backward persistent or one tile per program,
-    flattened or not, descriptor or pointer stores)."""
+    or with descriptors and every schedule switched the other way round from the defaults
+    ("alt": forward tile loop flattened or not, top-k over grouped candidates or every element,
+    backward persistent or one tile per program, flattened or not, descriptor or pointer
+    stores)."""
     saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
     for key in saved:
         vocab_ops.set_kernel_config(key, tma=request.param != "pointers")
     if request.param == "alt":
         bwd = saved["bwd"]
         vocab_ops.set_kernel_config("fwd", flatten=not saved["fwd"].get("flatten"))
+        vocab_ops.set_kernel_config("fwd_topk", grouped=not saved["fwd_topk"].get("grouped"))
         vocab_ops.set_kernel_config(
             "bwd",
             persistent=not bwd.get("persistent"),
@@ -140,6 +143,28 @@ def test_topk_exact_with_ties():
     assert torch.equal(values, logits.topk(20, dim=1).values)
     assert torch.equal(logits.gather(1, ids), values)
     assert torch.all(ids.sort(dim=1).values[:, 1:] != ids.sort(dim=1).values[:, :-1])
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, monkeypatch):
+    """Row 0's best columns all sit in one column group (columns j * 8 + 3 of the first 256-wide
+    tile, with 8 groups per tile): grouped candidates offer two of them, so the row must be
+    selected again over every element, and few other rows may be."""
+    hidden, weight, _ = _inputs(1000, 5003, 256, torch.bfloat16, 23)
+    best = [11, 19, 27, 35, 43, 51]
+    for rank, col in enumerate(best):
+        weight[col] = (hidden[0].float() * (0.05 - 0.001 * rank)).to(torch.bfloat16)
+    monkeypatch.setitem(vocab_ops._CONFIG, "fwd_topk", dict(vocab_ops._CONFIG["fwd_topk"]))
+    vocab_ops.set_kernel_config("fwd_topk", grouped=True, flatten=flatten, G=8)
+    with reselected_rows(vocab_ops) as redone:
+        _, _, _, values, ids = vocab_stats(hidden, weight, None, 8)
+    logits = hidden.double() @ weight.double().t()
+    assert ids[0, :6].tolist() == best
+    srt = logits.sort(dim=1, descending=True).values
+    clear = ((srt[:, :8] - srt[:, 1:9]) > 1e-3).all(dim=1)
+    assert torch.equal(ids[clear], logits.topk(8, dim=1).indices[clear])
+    assert (logits.gather(1, ids) - values.double()).abs().max().item() < 1e-3
+    assert len(redone) == 1 and 1 <= redone[0] < 1000 // 50, redone
 
 
 def test_promoted_accumulation_is_at_least_as_exact():

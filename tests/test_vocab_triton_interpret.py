@@ -2,8 +2,10 @@
 
 Runs in a subprocess (the interpreter is chosen when the kernels are defined). Tiny tiles and
 shapes, fp16 and fp32 only (the interpreter's bf16 dot is wrong in Triton 3.8); several
-vocabulary splits, ties, flattened tile loops, promoted accumulation, backward slices with one
-program per tile and with persistent programs, each against the module's torch path.
+vocabulary splits, ties, every top-k selection mode (all elements, or grouped candidates with
+the rows that need it selected again), flattened tile loops, promoted accumulation, backward
+slices with one program per tile and with persistent programs, each against the module's torch
+path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _SCRIPT = r"""
 import torch
+from _vocab_watch import reselected_rows
 from megatron.context_parallel import vocab_ops as vo
 
 for name in ("fwd", "fwd_topk", "bwd"):
@@ -34,9 +37,9 @@ cases = [
     (40, 70, 48, 1, torch.float16, 5, True, True),
     (16, 64, 32, 0, torch.float32, 1, True, False),
 ]
-for n, vocab, width, k, dtype, slots, promote, flat in cases:
+for i, (n, vocab, width, k, dtype, slots, promote, flat) in enumerate(cases):
     vo.set_kernel_config("fwd", promote=promote, flatten=flat)
-    vo.set_kernel_config("fwd_topk", promote=promote)
+    vo.set_kernel_config("fwd_topk", promote=promote, grouped=i % 2 > 0, flatten=flat, G=4)
     vo.set_kernel_config("bwd", persistent=flat, flatten=flat, ctas_per_sm=1)
     h = torch.randn(n, width, generator=gen).to(dtype)
     w = (torch.randn(vocab, width, generator=gen) * 3 / width**0.5).to(dtype)
@@ -58,9 +61,26 @@ for n, vocab, width, k, dtype, slots, promote, flat in cases:
             err = ((a.double() - b.double()).norm() / b.double().norm()).item()
             assert err < 2e-3, (chunk, err)
 
-# Exact ties: integer data, few distinct weight rows.
-vo.set_kernel_config("fwd_topk", promote=False)
-for slots in (1, 3):
+# Grouped candidates: row 0's five best columns share column group 1 of tile 2 (columns
+# 33, 37, 41, 45 with G = 4 groups of a 16-wide tile) plus one elsewhere. Its top-5 is only right
+# if the row is selected again over every element; count the rows that are.
+vo.set_kernel_config("fwd_topk", promote=False, G=4, grouped=True)
+for flatten in (False, True):
+    vo.set_kernel_config("fwd_topk", flatten=flatten)
+    h = torch.randn(37, 32, generator=gen).half()
+    w = (torch.randn(301, 32, generator=gen) * 3 / 32**0.5).half()
+    for c in (33, 37, 41, 45, 200):
+        w[c] = (h[0] * (4 + c / 100) / 32**0.5).half()
+    with reselected_rows(vo) as redone:
+        got = vo._stats_kernel(h, w, None, 5, slots=3)
+    ref = vo._stats_torch(h, w, None, 5, 0)
+    assert sorted(got[4][0].tolist()) == [33, 37, 41, 45, 200], got[4][0]
+    assert torch.equal(ref[4], got[4]) and (ref[3] - got[3]).abs().max() < 1e-4
+    assert len(redone) == 1 and 1 <= redone[0] < 37, (flatten, redone)
+
+# Exact ties: integer data, few distinct weight rows (every selection mode).
+for slots, grouped in ((1, False), (3, False), (3, True), (2, True)):
+    vo.set_kernel_config("fwd_topk", grouped=grouped, flatten=False)
     base = torch.randint(-3, 4, (5, 16), generator=gen).float()
     w = base[torch.randint(0, 5, (70,), generator=gen)].half()
     h = torch.randint(-3, 4, (20, 16), generator=gen).half()
@@ -74,7 +94,7 @@ print("interpreter ok")
 
 
 def test_kernels_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(_ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{_ROOT}{os.pathsep}{_ROOT / 'tests'}")
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )

@@ -15,11 +15,22 @@ registers:
   next tile's operand loads during this tile's epilogue, and a descriptor store lets the copy
   engine drain ``d`` while the next tile computes (H200: 1.35 -> 1.10 GEMMs for this kernel).
 
-Running top-k in the forward: a row keeps ``KP`` slots (a power of two; slots past ``K`` hold
-+inf so they are never the minimum). The threshold is the row's smallest slot. Most tiles have no
-column above the threshold of any of their rows, and skip the selection with one scalar test; the
-others extract their candidates in descending (value, then lowest column) order, one per pass,
-each replacing the row's smallest slot, for at most ``max(count above threshold)`` passes.
+Running top-k in the forward: a row keeps ``KP`` slots (a power of two; slots past ``K`` are
+never the minimum). The threshold is the row's smallest slot. Tiles with no logit above the
+threshold of any of their rows skip the selection with one scalar test. Candidates enter in
+descending (value, then lowest column) order, one per pass, each replacing the row's smallest
+slot, for ``max over rows(candidates above the threshold)`` passes. A pass is a chain of
+dependent reductions across the program's threads, so passes, not elements, set the cost.
+Two ways to choose the candidates:
+
+* every element of the tile (``GROUPED=False``): exact by construction; ~20 passes on a split's
+  first tiles.
+* grouped (``GROUPED=True``): columns ``j * G + b`` of a tile form group ``b``, which one thread
+  holds in the accumulator layout, so each group's two largest come from in-thread reductions.
+  Only those are offered (``2 G`` per row and tile), with slots and candidates as int64 order
+  keys (value, then column), so a pass is two reductions. The largest logit never offered is
+  kept per row; the host selects again, over every element, the rows where it reaches the k-th
+  value (otherwise the result is exact). A tile loop with this selection can be flattened.
 
 Works with Triton 3.6 and 3.8 (plain pointer loads; no tensor descriptors), and under
 ``TRITON_INTERPRET=1`` on CPU tensors for small shapes.
@@ -86,14 +97,65 @@ def _tile_logits(
     return acc
 
 
+_KEY_MAX = tl.constexpr(9223372036854775807)
+_KEY_MIN = tl.constexpr(-9223372036854775807)
+
+
+@triton.jit
+def _order_key(v, c):
+    """int64 keys of fp32 values ``v`` at int32 columns ``c`` (``0 <= c < 2**31``): a larger key
+    is a larger value, or the same value at a lower column. Decoded by ``_key_value`` and
+    ``_key_col``."""
+    b = v.to(tl.int32, bitcast=True)
+    # Negative floats order backwards as integers: flip their magnitude bits.
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(tl.int64) << 32) | (0xFFFFFFFF - c.to(tl.int64))
+
+
+@triton.jit
+def _key_value(key):
+    b = (key >> 32).to(tl.int32)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_col(key):
+    return (0xFFFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32)
+
+
 @triton.jit
 def _pick_after(acc, cols, last_v, last_c, thr):
-    """Per row, the largest element after ``(last_v, last_c)`` in (value descending, column
-    ascending) order: its value and lowest column (BIG where it does not beat ``thr``)."""
-    after = (acc < last_v[:, None]) | ((acc == last_v[:, None]) & (cols[None, :] > last_c[:, None]))
+    """Per row, the largest element of ``acc`` (``[BM, C]``, columns ``cols``: ``[1, C]`` or
+    ``[BM, C]``) after ``(last_v, last_c)`` in (value descending, column ascending) order: its
+    value and lowest column (BIG where it does not beat ``thr``)."""
+    after = (acc < last_v[:, None]) | ((acc == last_v[:, None]) & (cols > last_c[:, None]))
     best_v = tl.max(tl.where(after, acc, float("-inf")), axis=1)
     hit = after & (acc == best_v[:, None]) & (best_v > thr)[:, None]
-    return best_v, tl.min(tl.where(hit, cols[None, :], _BIG), axis=1)
+    return best_v, tl.min(tl.where(hit, cols, _BIG), axis=1)
+
+
+@triton.jit
+def _group_top2(acc, col0, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+    """Each column group's two largest logits of one ``[BM, BN]`` tile (first column ``col0``).
+
+    Columns ``j * G + b`` (``j < BN / G``) form group ``b``: in the tensor cores' accumulator
+    layout one thread holds all of a group's columns for its rows, so these reductions need no
+    exchange between threads. Returns fp32 ``[BM, G]`` largest values, int32 their columns (the
+    lowest among equal values), the same for the second largest, and fp32 ``[BM]`` the largest
+    value any group has after those two (-inf if none).
+    """
+    J: tl.constexpr = BN // G
+    x = tl.reshape(acc, (BM, J, G))
+    jj = tl.arange(0, J)[None, :, None]
+    gb = col0 + tl.arange(0, G)[None, :]
+    v1 = tl.max(x, axis=1)
+    j1 = tl.min(tl.where(x == v1[:, None, :], jj, J), axis=1)
+    x = tl.where(jj == j1[:, None, :], float("-inf"), x)
+    v2 = tl.max(x, axis=1)
+    j2 = tl.min(tl.where(x == v2[:, None, :], jj, J), axis=1)
+    x = tl.where(jj == j2[:, None, :], float("-inf"), x)
+    return v1, j1 * G + gb, v2, j2 * G + gb, tl.max(tl.max(x, axis=1), axis=1)
 
 
 # Sizes that only bound loops or masks are not specialised on (no recompile per row count or
@@ -127,6 +189,9 @@ def _stats_fwd_kernel(
     USE_TMA: tl.constexpr,
     PROMOTE: tl.constexpr,
     FLATTEN: tl.constexpr,
+    GROUPED: tl.constexpr,
+    G: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     # Programs that run together share a few row blocks and a few splits, so the hidden rows and
     # the weight tiles they stream are read from DRAM about once per step and then hit L2.
@@ -158,11 +223,21 @@ def _stats_fwd_kernel(
         tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1).to(tl.int32)
     if KP > 0:
         kcols = tl.arange(0, KP)
-        # Slots past K hold +inf: never the row minimum, so never replaced, never output.
-        top_v = tl.where(kcols[None, :] < K, float("-inf"), float("inf")) + tl.zeros(
-            (BM, KP), tl.float32
-        )
-        top_i = tl.zeros((BM, KP), tl.int32) - 1
+        if GROUPED:
+            # Slots hold order keys (``_order_key``). Empty slots below K hold distinct keys under
+            # every real one; slots past K hold keys over every real one: never the row minimum.
+            neg_inf = tl.full((BM, KP), float("-inf"), tl.float32)
+            slot = kcols[None, :].to(tl.int64)
+            empty = _order_key(neg_inf, tl.zeros((BM, KP), tl.int32)) - 0xFFFFFFFF + slot
+            top_k = tl.where(kcols[None, :] < K, empty, -slot + _KEY_MAX)
+            thr_k = tl.min(top_k, axis=1)
+            bound = tl.full((BM,), float("-inf"), tl.float32)
+        else:
+            # Slots past K hold +inf: never the row minimum, so never replaced, never output.
+            top_v = tl.where(kcols[None, :] < K, float("-inf"), float("inf")) + tl.zeros(
+                (BM, KP), tl.float32
+            )
+            top_i = tl.zeros((BM, KP), tl.int32) - 1
 
     for tile in tl.range(tile_lo, tile_hi, flatten=FLATTEN):
         cols = tile * BN + tl.arange(0, BN)
@@ -203,7 +278,28 @@ def _stats_fwd_kernel(
                     pick = tl.where(cols[None, :] == tgt[:, None], acc, 0.0)
                     t_i += tl.sum(pick, axis=1)
 
-        if KP > 0:
+        if KP > 0 and GROUPED:
+            if tl.max((tile_max > _key_value(thr_k)).to(tl.int32), axis=0) > 0:
+                # Only each column group's two largest are offered to the slots; ``bound``
+                # keeps the largest logit left out, for the host's check.
+                v1, c1, v2, c2, beyond = _group_top2(acc, tile * BN, BM, BN, G)
+                bound = tl.maximum(bound, beyond)
+                cand_v = tl.reshape(tl.join(v1, v2), (BM, 2 * G))
+                cand_c = tl.reshape(tl.join(c1, c2), (BM, 2 * G))
+                real = (cand_c < V) & (cand_v > float("-inf"))
+                cand_k = tl.where(real, _order_key(cand_v, cand_c), _KEY_MIN)
+                above = tl.sum((cand_k > thr_k[:, None]).to(tl.int32), axis=1)
+                passes = tl.minimum(tl.max(above, axis=0), K)
+                last_k = tl.full((BM,), _KEY_MAX, tl.int64)
+                for _ in range(passes):
+                    # Keys are distinct, so each pass is two reductions: the next candidate in
+                    # key order, and the smallest slot it replaces when larger.
+                    best = tl.max(tl.where(cand_k < last_k[:, None], cand_k, _KEY_MIN), axis=1)
+                    put = (top_k == thr_k[:, None]) & (best > thr_k)[:, None]
+                    top_k = tl.where(put, best[:, None], top_k)
+                    thr_k = tl.min(top_k, axis=1)
+                    last_k = best
+        elif KP > 0:
             thr = tl.min(top_v, axis=1)
             if tl.max((tile_max > thr).to(tl.int32), axis=0) > 0:
                 above = tl.sum((acc > thr[:, None]).to(tl.int32), axis=1)
@@ -213,7 +309,7 @@ def _stats_fwd_kernel(
                 for _ in range(passes):
                     # Next element in (value descending, column ascending) order after the
                     # last pick; it replaces the row's smallest slot when above it.
-                    best_v, best_c = _pick_after(acc, cols, last_v, last_c, thr)
+                    best_v, best_c = _pick_after(acc, cols[None, :], last_v, last_c, thr)
                     take = best_v > thr
                     slot = tl.min(tl.where(top_v == thr[:, None], kcols[None, :], KP), axis=1)
                     put = take[:, None] & (kcols[None, :] == slot[:, None])
@@ -224,11 +320,18 @@ def _stats_fwd_kernel(
                     last_c = best_c
 
     rmask = rows < n
-    base = part_ptr + split * 3 * n + rows
+    base = part_ptr + split * PARTS * n + rows
     tl.store(base, m_i, mask=rmask)
     tl.store(base + n, s_i, mask=rmask)
     tl.store(base + 2 * n, t_i, mask=rmask)
+    if GROUPED:
+        tl.store(base + 3 * n, bound, mask=rmask)
     if KP > 0:
+        if GROUPED:
+            top_v = _key_value(top_k)
+            top_i = _key_col(top_k)
+            # Empty slots decode to -inf and a negative column.
+            top_i = tl.where((top_i >= 0) & (top_i < V), top_i, -1)
         out = (split * n + rows).to(tl.int64)[:, None] * KP + kcols[None, :]
         tl.store(
             topv_ptr + out, tl.where(kcols[None, :] < K, top_v, float("-inf")), mask=rmask[:, None]
@@ -373,14 +476,22 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def choose_splits(row_blocks: int, tiles: int, slots: int, k: int = 0, max_splits: int = 64) -> int:
+def choose_splits(
+    row_blocks: int,
+    tiles: int,
+    slots: int,
+    k: int = 0,
+    max_splits: int = 64,
+    pass_cost: float = 0.05,
+) -> int:
     """Vocabulary splits per row block that minimise the modelled run time.
 
     Every program walks ``L = ceil(tiles / S)`` tiles; ``ceil(row_blocks * S / slots)`` waves of
     them run one after another. With a top-k each split also restarts the running top-k: its first
     tiles need up to ``k`` selection passes each, later ones one or two. A simulation on random
     logits (128 rows, 256 columns, k = 20) gives about ``2.2 * k * sqrt(L)`` passes per split of
-    ``L`` tiles; one pass costs about 5% of a tile's matmul (H200, H = 5120). Starting a program
+    ``L`` tiles; one pass over a whole tile costs about 5% of its matmul (H200, H = 5120), one
+    over grouped candidates about 1% (``pass_cost``; session 4 probe). Starting a program
     (pipeline fill, partial-result stores) is counted as a quarter tile. Ties go to fewer splits.
     """
     best, best_cost = 1, None
@@ -388,14 +499,19 @@ def choose_splits(row_blocks: int, tiles: int, slots: int, k: int = 0, max_split
         per = -(-tiles // splits)
         waves = -(-(row_blocks * splits) // slots)
         passes = min(per * k, 2.2 * k * per**0.5)
-        cost = waves * (per + 0.25 + 0.05 * passes)
+        cost = waves * (per + 0.25 + pass_cost * passes)
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best
 
 
-def launch_stats_fwd(hidden, weight, target, k, part, topv, topi, splits, cfg):
-    """Runs the forward kernel into preallocated partials; returns nothing."""
+def launch_stats_fwd(hidden, weight, target, k, part, topv, topi, splits, cfg, grouped=False):
+    """Runs the forward kernel into preallocated partials; returns nothing.
+
+    ``part`` is fp32 ``[splits, 3 or 4, n]``: max, sum_exp, target logit and, with ``grouped``
+    top-k candidates (each column group's two largest per tile, see ``_group_top2``), the
+    largest logit that was not offered.
+    """
     n, h = hidden.shape
     v = weight.shape[0]
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -432,7 +548,11 @@ def launch_stats_fwd(hidden, weight, target, k, part, topv, topi, splits, cfg):
         IEEE=hidden.dtype.itemsize == 4,
         USE_TMA=use_tma,
         PROMOTE=bool(cfg.get("promote")),
-        FLATTEN=bool(cfg.get("flatten")),
+        # Triton 3.6 cannot flatten a tile loop holding the every-element selection passes.
+        FLATTEN=bool(cfg.get("flatten")) and not (k and not grouped),
+        GROUPED=bool(grouped and k),
+        G=cfg.get("G", 8),
+        PARTS=part.shape[1],
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
     )

@@ -50,7 +50,11 @@ Paths:
       recomputes the logits of a vocabulary slice in a fused kernel that writes ``d_logits`` in
       the input dtype, then cuBLAS forms the slice's ``grad_weight`` rows (one GEMM, K = n) and
       adds its ``grad_hidden`` share into the fp32 accumulator. Everything runs on the current
-      stream without host syncs, so CUDA graphs capture it.
+      stream without host syncs, so CUDA graphs capture it, except one: with ``k > 0`` the
+      forward's top-k is taken over grouped candidates and the host reads how many rows need
+      selecting again over every element (random logits, k = 20: 0.01-0.1% of rows). Under a
+      CUDA graph capture the forward selects over every element instead (exact, no host read,
+      slower); ``set_kernel_config("fwd_topk", grouped=False)`` does so always.
     * CUDA fallback: ``k > 64`` in the forward (the kernel keeps the running top-k in
       registers) runs the torch path on the GPU, on cuBLAS logits with fp32 output, in chunks of
       rows; so does everything when Triton cannot be imported (one warning).
@@ -93,24 +97,13 @@ _BWD_SLICE_BYTES = 512 << 20
 # Tile configurations of the Triton kernels (H200 sweep in NOTES.md "Head kernels").
 # ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
 # that picks the number of vocabulary splits.
+# All three share one tile: 128x256x64, 8 warps, 3 stages, operands through tensor descriptors.
+_TILE = dict(BM=128, BN=256, BK=64, warps=8, stages=3, ctas_per_sm=1, tma=True)
 _CONFIG = {
-    "fwd": dict(
-        BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True, flatten=True
-    ),
-    "fwd_topk": dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True),
-    "bwd": dict(
-        BM=128,
-        BN=256,
-        BK=64,
-        warps=8,
-        stages=3,
-        GROUP=16,
-        ctas_per_sm=1,
-        tma=True,
-        persistent=True,
-        flatten=True,
-        tma_store=True,
-    ),
+    "fwd": dict(_TILE, GROUP=8, flatten=True),
+    # pass_cost: one top-k pass in tiles of matmul, for the split model (grouped passes are short).
+    "fwd_topk": dict(_TILE, GROUP=8, grouped=True, G=8, pass_cost=0.01),
+    "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True),
 }
 
 
@@ -330,30 +323,59 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward_splits(n: int, vocab: int, k: int, slots: int) -> int:
-    """Vocabulary splits per row block the forward kernel uses for this shape."""
+def forward_splits(n: int, vocab: int, k: int, slots: int, grouped: Optional[bool] = None) -> int:
+    """Vocabulary splits per row block the forward kernel uses for this shape (``grouped``: the
+    top-k selection over grouped candidates or over every element; None for the configured
+    one)."""
     cfg = _CONFIG["fwd_topk" if k else "fwd"]
     if cfg.get("splits"):
         return int(cfg["splits"])
     row_blocks = -(-n // cfg["BM"])
     tiles = -(-vocab // cfg["BN"])
-    splits = _vocab_triton.choose_splits(row_blocks, tiles, slots * cfg["ctas_per_sm"], k)
+    if grouped is None:
+        grouped = _grouped_topk(k, None)
+    pass_cost = cfg.get("pass_cost", 0.01) if grouped else 0.05
+    splits = _vocab_triton.choose_splits(
+        row_blocks, tiles, slots * cfg["ctas_per_sm"], k, pass_cost=pass_cost
+    )
     per = -(-tiles // splits)
     return -(-tiles // per)
 
 
-def _stats_kernel(hidden, weight, target, k, slots):
-    """The Triton forward plus the tiny combine of the splits' partial results."""
+def _grouped_topk(k: int, device: Optional[torch.device]) -> bool:
+    """Whether the forward's top-k takes grouped candidates (the configured default), or every
+    element. Grouped candidates need a host read of how many rows to redo, which a CUDA graph
+    capture cannot do: captures select over every element."""
+    if not k or not _CONFIG["fwd_topk"].get("grouped"):
+        return False
+    if device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
+    """The Triton forward plus the tiny combine of the splits' partial results.
+
+    With grouped top-k candidates (see ``_vocab_triton._group_top2``) the merged top-k is exact
+    unless a logit that was not offered (a column group's third largest or lower in a tile) is
+    at or above the row's k-th value: the kernel reports the largest one per row, and those rows
+    (random logits, k = 20, H200: 0.010% at 151,936 columns, 0.083% at 37,984) are selected
+    again over every element.
+    """
     n, vocab = hidden.shape[0], weight.shape[0]
     cfg = _CONFIG["fwd_topk" if k else "fwd"]
     hidden, weight = _row_major(hidden), _row_major(weight)
-    splits = forward_splits(n, vocab, k, slots)
-    # Rows of one split's launch: [max | sum_exp | target] per split, then the top-k slots.
-    part = torch.empty(splits, 3, n, dtype=torch.float32, device=hidden.device)
+    if grouped is None:
+        grouped = _grouped_topk(k, hidden.device)
+    splits = forward_splits(n, vocab, k, slots, grouped)
+    # Per split: [max | sum_exp | target (| largest logit not offered)], then the top-k slots.
+    part = torch.empty(splits, 4 if grouped else 3, n, dtype=torch.float32, device=hidden.device)
     kp = _vocab_triton._next_pow2(max(k, 2)) if k else 0
     top_v = torch.empty(splits, n, kp, dtype=torch.float32, device=hidden.device)
     top_i = torch.empty(splits, n, kp, dtype=torch.int32, device=hidden.device)
-    _vocab_triton.launch_stats_fwd(hidden, weight, target, k, part, top_v, top_i, splits, cfg)
+    _vocab_triton.launch_stats_fwd(
+        hidden, weight, target, k, part, top_v, top_i, splits, cfg, grouped
+    )
     split_max = part[:, 0]
     row_max = split_max.amax(dim=0)
     sum_exp = (part[:, 1] * torch.exp(split_max - row_max)).sum(dim=0)
@@ -363,6 +385,13 @@ def _stats_kernel(hidden, weight, target, k, slots):
         cand_i = top_i.permute(1, 0, 2).reshape(n, splits * kp)
         values, where = cand_v.topk(k, dim=1)
         ids = cand_i.gather(1, where).long()
+        if grouped:
+            # ">=": a value tied with the k-th may precede it (lower column) and was not offered.
+            redo = (part[:, 3].amax(dim=0) >= values[:, k - 1]).nonzero().squeeze(1)
+            if redo.numel():
+                exact = _stats_kernel(hidden.index_select(0, redo), weight, None, k, slots, False)
+                values.index_copy_(0, redo, exact[3])
+                ids.index_copy_(0, redo, exact[4])
     else:
         values = torch.empty(n, 0, dtype=torch.float32, device=hidden.device)
         ids = torch.empty(n, 0, dtype=torch.int64, device=hidden.device)
