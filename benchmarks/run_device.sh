@@ -43,15 +43,20 @@ fi
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-if [[ "$mode" == topk ]]; then
-  # The top-k selection modes side by side (both shapes), then the head's GPU tests (in 8
-  # processes when pytest-xdist is carried in .whl: Triton compiles dominate their time).
-  xdist=()
+# Installs the pure-Python wheels carried in .whl (peers, pytest-xdist) beside the repository.
+carry_wheels() {
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
       .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
   fi
+}
+
+if [[ "$mode" == topk ]]; then
+  # The top-k selection modes side by side (both shapes), then the head's GPU tests (in 8
+  # processes when pytest-xdist is carried in .whl: Triton compiles dominate their time).
+  carry_wheels
+  xdist=()
+  "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
   echo "== top-k sweep"
   timeout "${SWEEP_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --sweep --sweep-only \
     --sweep-kernels fwd_topk --reps 6 --out "$out" 2>&1 | tee "$out/topk_sweep.log" | tail -n 30
@@ -77,10 +82,7 @@ if [[ "$mode" == head-sweep ]]; then
 fi
 
 if [[ "$mode" == head-and-errors ]]; then
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-      .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  fi
+  carry_wheels
   echo "== head GPU tests"
   timeout 150 "$py" -m pytest tests/test_head_cuda.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$out/head_tests.log" | tail -n 15

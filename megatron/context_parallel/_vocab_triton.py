@@ -126,13 +126,12 @@ def _key_col(key):
 
 @triton.jit
 def _pick_after(acc, cols, last_v, last_c, thr):
-    """Per row, the largest element of ``acc`` (``[BM, C]``, columns ``cols``: ``[1, C]`` or
-    ``[BM, C]``) after ``(last_v, last_c)`` in (value descending, column ascending) order: its
-    value and lowest column (BIG where it does not beat ``thr``)."""
-    after = (acc < last_v[:, None]) | ((acc == last_v[:, None]) & (cols > last_c[:, None]))
+    """Per row, the largest element after ``(last_v, last_c)`` in (value descending, column
+    ascending) order: its value and lowest column (BIG where it does not beat ``thr``)."""
+    after = (acc < last_v[:, None]) | ((acc == last_v[:, None]) & (cols[None, :] > last_c[:, None]))
     best_v = tl.max(tl.where(after, acc, float("-inf")), axis=1)
     hit = after & (acc == best_v[:, None]) & (best_v > thr)[:, None]
-    return best_v, tl.min(tl.where(hit, cols, _BIG), axis=1)
+    return best_v, tl.min(tl.where(hit, cols[None, :], _BIG), axis=1)
 
 
 @triton.jit
@@ -309,7 +308,7 @@ def _stats_fwd_kernel(
                 for _ in range(passes):
                     # Next element in (value descending, column ascending) order after the
                     # last pick; it replaces the row's smallest slot when above it.
-                    best_v, best_c = _pick_after(acc, cols[None, :], last_v, last_c, thr)
+                    best_v, best_c = _pick_after(acc, cols, last_v, last_c, thr)
                     take = best_v > thr
                     slot = tl.min(tl.where(top_v == thr[:, None], kcols[None, :], KP), axis=1)
                     put = take[:, None] & (kcols[None, :] == slot[:, None])

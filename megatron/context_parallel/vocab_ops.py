@@ -334,10 +334,9 @@ def forward_splits(n: int, vocab: int, k: int, slots: int, grouped: Optional[boo
     tiles = -(-vocab // cfg["BN"])
     if grouped is None:
         grouped = _grouped_topk(k, None)
-    pass_cost = cfg.get("pass_cost", 0.01) if grouped else 0.05
-    splits = _vocab_triton.choose_splits(
-        row_blocks, tiles, slots * cfg["ctas_per_sm"], k, pass_cost=pass_cost
-    )
+    # Grouped passes are cheaper than choose_splits' default (a pass over a whole tile).
+    extra = {"pass_cost": cfg["pass_cost"]} if grouped and "pass_cost" in cfg else {}
+    splits = _vocab_triton.choose_splits(row_blocks, tiles, slots * cfg["ctas_per_sm"], k, **extra)
     per = -(-tiles // splits)
     return -(-tiles // per)
 
