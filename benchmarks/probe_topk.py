@@ -1,16 +1,20 @@
-"""Where the forward top-k's time goes (diagnostic, GPU): the kernel alone with k = 20, k = 1
-(one pass per tile at most) and k = 0, other split counts, a flattened tile loop, and the exact
-re-selection of 17 rows. Prints ms and GEMMs (cuBLAS ``hidden @ weight.T``) per variant.
+"""Where the forward top-k's time goes (diagnostic, GPU). Per shape, timed in turns (every round
+runs each variant once, so clock and power drift hit all alike): the cuBLAS GEMM, the k = 0 and
+top-20 paths, the kernel alone with k = 20 (as many selection passes per tile as needed with a
+plain tile loop, or a fixed number with a flattened one), k = 1 and k = 0 (the floor of the
+epilogue), the merge of the splits' results, and the exact re-selection of 18 rows. Prints ms
+and GEMMs (cuBLAS ``hidden @ weight.T``) per variant.
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_topk.py
+    PYTHONPATH=$PWD python3 benchmarks/probe_topk.py [--reps 7]
 """
 
+import argparse
 import sys
 
 import torch
 
 sys.path.insert(0, "benchmarks")
-from bench_head import time_ms  # noqa: E402
+from bench_head import time_round_robin  # noqa: E402
 
 from megatron.context_parallel import _vocab_triton, vocab_ops  # noqa: E402
 
@@ -21,46 +25,65 @@ base = vocab_ops.kernel_config("fwd_topk")
 
 
 def launch(h, w, t, k, splits, **over):
+    """The forward kernel alone with ``fwd_topk`` (k > 0) or ``fwd`` overridden by ``over``."""
     n = h.shape[0]
     kp = _vocab_triton._next_pow2(max(k, 2)) if k else 0
     part = torch.empty(splits, 4, n, device=dev)
     tv = torch.empty(splits, n, kp, device=dev)
     ti = torch.empty(splits, n, kp, device=dev, dtype=torch.int32)
-    c = dict(base, **over)
-    grouped = c.get("grouped", False)
+    c = dict(base if k else vocab_ops.kernel_config("fwd"), **over)
+    grouped = bool(k and c.get("grouped"))
     return lambda: _vocab_triton.launch_stats_fwd(h, w, t, k, part, tv, ti, splits, c, grouped)
 
 
-def probe(n, vocab):
+def probe(n, vocab, reps):
     h = torch.randn(n, 5120, device=dev, generator=gen).to(torch.bfloat16)
     w = (torch.randn(vocab, 5120, device=dev, generator=gen) * 2 / 5120**0.5).to(torch.bfloat16)
     t = torch.randint(0, vocab, (n,), device=dev, generator=gen)
-    gemm = time_ms(lambda: h @ w.t(), dev, 5, 1)
-    res = {}
-    res["fwd k=0"] = time_ms(lambda: vocab_ops.vocab_stats(h, w, t, 0), dev, 5, 1)
-    res["top-20 full path (default)"] = time_ms(
-        lambda: vocab_ops.vocab_stats(h, w, t, 20), dev, 5, 1
+    auto0 = vocab_ops.forward_splits(n, vocab, 0, slots)
+    dyn = vocab_ops._vocab_triton.choose_splits(-(-n // 128), -(-vocab // 256), slots, 20, 64, 0.01)
+    fns = {"GEMM": lambda: h @ w.t()}
+    fns["fwd k=0 path"] = lambda: vocab_ops.vocab_stats(h, w, t, 0)
+    fns[f"top-20 path {base}"] = lambda: vocab_ops.vocab_stats(h, w, t, 20)
+    fns[f"kernel k=0 flatten splits={auto0}"] = launch(h, w, t, 0, auto0)
+    fns[f"kernel k=20 dynamic plain splits={dyn}"] = launch(
+        h, w, t, 20, dyn, flatten=False, passes=0
     )
-    auto = vocab_ops.forward_splits(n, vocab, 20, slots)
-    variants = [(20, auto, {}), (1, auto, {}), (20, auto, dict(flatten=True))]
-    variants += [(20, sp, {}) for sp in (2, 9) if sp != auto]
-    variants += [(0, auto, dict(grouped=False))]
-    for k, splits, over in variants:
-        key = f"launch k={k} splits={splits} {over}"
-        try:
-            res[key] = time_ms(launch(h, w, t, k, splits, **over), dev, 5, 1)
-        except Exception as exc:  # noqa: BLE001
-            res[key] = float("nan")
-            print(key, type(exc).__name__, str(exc)[-300:])
-    for rows in (17,):
-        hs = h[:rows].contiguous()
-        res[f"exact redo of {rows} rows"] = time_ms(
-            lambda hs=hs: vocab_ops._stats_kernel(hs, w, None, 20, slots, False), dev, 5, 1
+    fns[f"kernel k=20 dynamic plain splits={auto0}"] = launch(
+        h, w, t, 20, auto0, flatten=False, passes=0
+    )
+    for p in (2, 3, 4):
+        fns[f"kernel k=20 passes={p} flatten splits={auto0}"] = launch(
+            h, w, t, 20, auto0, flatten=True, passes=p
         )
-    print(f"\n{n}x{vocab}: GEMM {gemm:.2f} ms, auto splits {auto}")
-    for key, ms in res.items():
-        print(f"| {key} | {ms:.2f} | {ms / gemm:.3f} |")
+    fns[f"kernel k=20 passes=3 flatten splits={dyn}"] = launch(
+        h, w, t, 20, dyn, flatten=True, passes=3
+    )
+    fns[f"kernel k=1 passes=1 flatten splits={auto0}"] = launch(
+        h, w, t, 1, auto0, flatten=True, passes=1
+    )
+    part = torch.randn(auto0, 4, n, device=dev)
+    tv = torch.randn(auto0, n, 32, device=dev)
+    ti = torch.randint(0, vocab, (auto0, n, 32), device=dev, dtype=torch.int32)
+    fns[f"merge of {auto0} splits"] = lambda: vocab_ops._combine_splits(part, tv, ti, 20)
+    hs = h[:18].contiguous()
+    fns["redo of 18 rows"] = lambda: vocab_ops._stats_kernel(hs, w, None, 20, slots, False)
+    for name, fn in list(fns.items()):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - report and drop a variant that fails to compile
+            print(name, type(exc).__name__, str(exc).strip().splitlines()[-1][:300])
+            del fns[name]
+    times = time_round_robin(fns, dev, reps, 1)
+    print(f"\n{n}x{vocab}: splits k=0 model {auto0}, top-k model {dyn}\n")
+    print("| variant | ms | GEMMs |\n|---|---:|---:|")
+    for name, ms in times.items():
+        print(f"| {name} | {ms:.2f} | {ms / times['GEMM']:.3f} |")
 
 
-for n, vocab in [(20436, 37984), (20436, 151936)]:
-    probe(n, vocab)
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    for n, vocab in [(20436, 37984), (20436, 151936), (8192, 37984)]:
+        probe(n, vocab, args.reps)

@@ -2,7 +2,8 @@
 # One call on the GPU machine: build the extension, run the GPU tests, run the kernel benchmark.
 #
 # Usage (repo root):
-#   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk]
+#   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|probe|
+#                             head]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -19,6 +20,11 @@
 set -uo pipefail
 
 mode="${1:-all}"
+case "$mode" in
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head) ;;
+  *) echo "unknown mode: $mode" >&2; exit 2 ;;
+esac
+
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
@@ -51,18 +57,41 @@ carry_wheels() {
   fi
 }
 
-if [[ "$mode" == topk ]]; then
-  # The top-k selection modes side by side (both shapes), then the head's GPU tests (in 8
-  # processes when pytest-xdist is carried in .whl: Triton compiles dominate their time).
-  carry_wheels
-  xdist=()
+# The head's GPU tests, in 8 processes when pytest-xdist is carried in .whl (Triton compiles
+# dominate their time); call after carry_wheels.
+head_gpu_tests() {
+  local xdist=()
   "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
-  echo "== top-k sweep"
-  timeout "${SWEEP_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --sweep --sweep-only \
-    --sweep-kernels fwd_topk --reps 6 --out "$out" 2>&1 | tee "$out/topk_sweep.log" | tail -n 30
   echo "== head GPU tests"
-  timeout 300 "$py" -m pytest tests/test_vocab_ops_cuda.py tests/test_head_cuda.py -q -rs \
-    "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$out/vocab_tests.log" | tail -n 25
+  timeout "${TESTS_TIMEOUT:-300}" "$py" -m pytest tests/test_vocab_ops_cuda.py \
+    tests/test_head_cuda.py -q -rs "${xdist[@]}" -p no:cacheprovider 2>&1 \
+    | tee "$out/vocab_tests.log" | tail -n 6
+}
+
+if [[ "$mode" == probe || "$mode" == head || "$mode" == topk ]]; then
+  # probe: where the forward top-k's time goes (benchmarks/probe_topk.py); head: the head table
+  # (bench_head.py, peers from .whl); topk: the top-k configs side by side on both shapes. Each
+  # then runs the head's GPU tests.
+  carry_wheels
+  case "$mode" in
+    probe)
+      echo "== top-k probe"
+      timeout "${PROBE_TIMEOUT:-300}" "$py" benchmarks/probe_topk.py 2>&1 \
+        | tee "$out/probe_topk.log" | grep -E "^\||x[0-9]+:|Error" | tail -n 60
+      ;;
+    head)
+      echo "== head benchmark"
+      timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --reps 3 --warmup 1 \
+        --out "$out" 2>&1 | tee "$out/head_bench.log" | tail -n 40
+      ;;
+    topk)
+      echo "== top-k sweep"
+      timeout "${SWEEP_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --sweep --sweep-only \
+        --sweep-kernels fwd_topk --reps 6 --out "$out" 2>&1 | tee "$out/topk_sweep.log" \
+        | tail -n 30
+      ;;
+  esac
+  head_gpu_tests
   exit 0
 fi
 

@@ -31,7 +31,8 @@ def loading(request):
     or with descriptors and every schedule switched the other way round from the defaults
     ("alt": forward tile loop flattened or not, top-k over grouped candidates or every element,
     backward persistent or one tile per program, flattened or not, descriptor or pointer
-    stores)."""
+    stores; "capped": grouped top-k with a fixed number of selection passes per tile or as many as
+    needed, the forward tile loop flattened or not)."""
     saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
     for key in saved:
         vocab_ops.set_kernel_config(key, tma=request.param != "pointers")
@@ -44,6 +45,14 @@ def loading(request):
             persistent=not bwd.get("persistent"),
             flatten=not bwd.get("flatten"),
             tma_store=not bwd.get("tma_store"),
+        )
+    if request.param == "capped":
+        topk = saved["fwd_topk"]
+        vocab_ops.set_kernel_config(
+            "fwd_topk",
+            grouped=True,
+            passes=0 if topk.get("passes") else 2,
+            flatten=not topk.get("flatten"),
         )
     yield request.param
     for key, cfg in saved.items():
@@ -91,6 +100,9 @@ STATS_CASES = [(*s, torch.bfloat16, "tma") for s in SHAPES] + [
         (3, torch.bfloat16, "alt"),
         (6, torch.bfloat16, "alt"),
         (3, torch.float32, "alt"),
+        (1, torch.bfloat16, "capped"),
+        (3, torch.bfloat16, "capped"),
+        (6, torch.bfloat16, "capped"),
     ]
 ]
 
@@ -145,8 +157,8 @@ def test_topk_exact_with_ties():
     assert torch.all(ids.sort(dim=1).values[:, 1:] != ids.sort(dim=1).values[:, :-1])
 
 
-@pytest.mark.parametrize("flatten", [False, True])
-def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, monkeypatch):
+@pytest.mark.parametrize("flatten,passes", [(False, 0), (True, 0), (True, 3)])
+def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, passes, monkeypatch):
     """Row 0's best columns all sit in one column group (columns j * 8 + 3 of the first 256-wide
     tile, with 8 groups per tile): grouped candidates offer two of them, so the row must be
     selected again over every element, and few other rows may be."""
@@ -155,7 +167,7 @@ def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, monkeypatch)
     for rank, col in enumerate(best):
         weight[col] = (hidden[0].float() * (0.05 - 0.001 * rank)).to(torch.bfloat16)
     monkeypatch.setitem(vocab_ops._CONFIG, "fwd_topk", dict(vocab_ops._CONFIG["fwd_topk"]))
-    vocab_ops.set_kernel_config("fwd_topk", grouped=True, flatten=flatten, G=8)
+    vocab_ops.set_kernel_config("fwd_topk", grouped=True, flatten=flatten, G=8, passes=passes)
     with reselected_rows(vocab_ops) as redone:
         _, _, _, values, ids = vocab_stats(hidden, weight, None, 8)
     logits = hidden.double() @ weight.double().t()

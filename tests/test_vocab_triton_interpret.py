@@ -3,9 +3,9 @@
 Runs in a subprocess (the interpreter is chosen when the kernels are defined). Tiny tiles and
 shapes, fp16 and fp32 only (the interpreter's bf16 dot is wrong in Triton 3.8); several
 vocabulary splits, ties, every top-k selection mode (all elements, or grouped candidates with
-the rows that need it selected again), flattened tile loops, promoted accumulation, backward
-slices with one program per tile and with persistent programs, each against the module's torch
-path.
+as many passes as needed or a fixed number per tile, and the rows that need it selected
+again), flattened tile loops, promoted accumulation, backward slices with one program per tile
+and with persistent programs, each against the module's torch path.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ cases = [
 ]
 for i, (n, vocab, width, k, dtype, slots, promote, flat) in enumerate(cases):
     vo.set_kernel_config("fwd", promote=promote, flatten=flat)
-    vo.set_kernel_config("fwd_topk", promote=promote, grouped=i % 2 > 0, flatten=flat, G=4)
+    # Case 3: grouped candidates with one selection pass per tile.
+    vo.set_kernel_config(
+        "fwd_topk", promote=promote, grouped=i % 2 > 0, flatten=flat, G=4, passes=int(i == 3)
+    )
     vo.set_kernel_config("bwd", persistent=flat, flatten=flat, ctas_per_sm=1)
     h = torch.randn(n, width, generator=gen).to(dtype)
     w = (torch.randn(vocab, width, generator=gen) * 3 / width**0.5).to(dtype)
@@ -78,9 +81,25 @@ for flatten in (False, True):
     assert torch.equal(ref[4], got[4]) and (ref[3] - got[3]).abs().max() < 1e-4
     assert len(redone) == 1 and 1 <= redone[0] < 37, (flatten, redone)
 
+# Capped passes: with one pass per tile, row 0's two best columns (33 and 34: groups 1 and 2 of
+# tile 2) cannot both enter the selection in that tile; the one left over must send the row back.
+for flatten in (False, True):
+    vo.set_kernel_config("fwd_topk", flatten=flatten, passes=1)
+    h = torch.randn(37, 32, generator=gen).half()
+    w = (torch.randn(301, 32, generator=gen) * 3 / 32**0.5).half()
+    for c in (33, 34):
+        w[c] = (h[0] * (4 + c / 100) / 32**0.5).half()
+    with reselected_rows(vo) as redone:
+        got = vo._stats_kernel(h, w, None, 5, slots=3)
+    ref = vo._stats_torch(h, w, None, 5, 0)
+    assert got[4][0, :2].tolist() == [34, 33], got[4][0]
+    assert torch.equal(ref[4], got[4]) and (ref[3] - got[3]).abs().max() < 1e-4
+    assert len(redone) == 1 and 1 <= redone[0] < 37, (flatten, redone)
+vo.set_kernel_config("fwd_topk", passes=0)
+
 # Exact ties: integer data, few distinct weight rows (every selection mode).
 for slots, grouped in ((1, False), (3, False), (3, True), (2, True)):
-    vo.set_kernel_config("fwd_topk", grouped=grouped, flatten=False)
+    vo.set_kernel_config("fwd_topk", grouped=grouped, flatten=False, passes=2 * (slots == 2))
     base = torch.randint(-3, 4, (5, 16), generator=gen).float()
     w = base[torch.randint(0, 5, (70,), generator=gen)].half()
     h = torch.randint(-3, 4, (20, 16), generator=gen).half()

@@ -101,8 +101,9 @@ _BWD_SLICE_BYTES = 512 << 20
 _TILE = dict(BM=128, BN=256, BK=64, warps=8, stages=3, ctas_per_sm=1, tma=True)
 _CONFIG = {
     "fwd": dict(_TILE, GROUP=8, flatten=True),
-    # pass_cost: one top-k pass in tiles of matmul, for the split model (grouped passes are short).
-    "fwd_topk": dict(_TILE, GROUP=8, grouped=True, G=8, pass_cost=0.01),
+    # passes: selection passes per tile (0: as many as the tile needs, in a loop that keeps Triton
+    # from fusing the tile loop); pass_cost: one pass in tiles of matmul, for the split model.
+    "fwd_topk": dict(_TILE, GROUP=8, grouped=True, G=8, flatten=True, passes=3, pass_cost=0.01),
     "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True),
 }
 
@@ -334,8 +335,11 @@ def forward_splits(n: int, vocab: int, k: int, slots: int, grouped: Optional[boo
     tiles = -(-vocab // cfg["BN"])
     if grouped is None:
         grouped = _grouped_topk(k, None)
-    # Grouped passes are cheaper than choose_splits' default (a pass over a whole tile).
+    # Grouped passes are cheaper than choose_splits' default (a pass over a whole tile); a fixed
+    # number of them per tile costs the same whatever the split, like no top-k at all.
     extra = {"pass_cost": cfg["pass_cost"]} if grouped and "pass_cost" in cfg else {}
+    if grouped and cfg.get("passes"):
+        k = 0
     splits = _vocab_triton.choose_splits(row_blocks, tiles, slots * cfg["ctas_per_sm"], k, **extra)
     per = -(-tiles // splits)
     return -(-tiles // per)
@@ -355,11 +359,12 @@ def _grouped_topk(k: int, device: Optional[torch.device]) -> bool:
 def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     """The Triton forward plus the tiny combine of the splits' partial results.
 
-    With grouped top-k candidates (see ``_vocab_triton._group_top2``) the merged top-k is exact
-    unless a logit that was not offered (a column group's third largest or lower in a tile) is
-    at or above the row's k-th value: the kernel reports the largest one per row, and those rows
-    (random logits, k = 20, H200: 0.010% at 151,936 columns, 0.083% at 37,984) are selected
-    again over every element.
+    With grouped top-k candidates (see ``_vocab_triton._offer_grouped``) the merged top-k is
+    exact unless a logit left out of the selection (a column group's third largest or lower in a
+    tile, or with a fixed number of passes per tile, one they did not reach) is at or above the
+    row's k-th value: the kernel reports the largest one per row, and those rows (random logits,
+    k = 20, H200: 0.010% at 151,936 columns, 0.09% at 37,984) are selected again over every
+    element.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     cfg = _CONFIG["fwd_topk" if k else "fwd"]
@@ -375,26 +380,42 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     _vocab_triton.launch_stats_fwd(
         hidden, weight, target, k, part, top_v, top_i, splits, cfg, grouped
     )
+    row_max, sum_exp, target_logit, values, ids, redo = _combine_splits(part, top_v, top_i, k)
+    if redo is not None:
+        redo = redo.nonzero().squeeze(1)
+        if redo.numel():
+            exact = _stats_kernel(hidden.index_select(0, redo), weight, None, k, slots, False)
+            values.index_copy_(0, redo, exact[3])
+            ids.index_copy_(0, redo, exact[4])
+    return row_max, sum_exp, target_logit, values, ids
+
+
+def _combine_splits(part, top_v, top_i, k):
+    """Merges the forward kernel's per-split results (a few torch ops, no host sync).
+
+    ``part``: fp32 ``[S, 3 or 4, n]`` (max, sum_exp, target logit, and with grouped candidates the
+    largest logit left out); ``top_v`` / ``top_i``: fp32 / int32 ``[S, n, KP]`` slots. Returns
+    fp32 ``row_max``, ``sum_exp``, ``target_logit`` ``[n]``, fp32 ``[n, k]`` values, int64
+    ``[n, k]`` ids, and a bool ``[n]`` mask of the rows whose top-k must be selected again (None
+    without grouped candidates).
+    """
+    splits, _, n = part.shape
     split_max = part[:, 0]
     row_max = split_max.amax(dim=0)
     sum_exp = (part[:, 1] * torch.exp(split_max - row_max)).sum(dim=0)
     target_logit = part[:, 2].sum(dim=0)
-    if k:
-        cand_v = top_v.permute(1, 0, 2).reshape(n, splits * kp)
-        cand_i = top_i.permute(1, 0, 2).reshape(n, splits * kp)
-        values, where = cand_v.topk(k, dim=1)
-        ids = cand_i.gather(1, where).long()
-        if grouped:
-            # ">=": a value tied with the k-th may precede it (lower column) and was not offered.
-            redo = (part[:, 3].amax(dim=0) >= values[:, k - 1]).nonzero().squeeze(1)
-            if redo.numel():
-                exact = _stats_kernel(hidden.index_select(0, redo), weight, None, k, slots, False)
-                values.index_copy_(0, redo, exact[3])
-                ids.index_copy_(0, redo, exact[4])
-    else:
-        values = torch.empty(n, 0, dtype=torch.float32, device=hidden.device)
-        ids = torch.empty(n, 0, dtype=torch.int64, device=hidden.device)
-    return row_max, sum_exp, target_logit, values, ids
+    if not k:
+        values = torch.empty(n, 0, dtype=torch.float32, device=part.device)
+        ids = torch.empty(n, 0, dtype=torch.int64, device=part.device)
+        return row_max, sum_exp, target_logit, values, ids, None
+    kp = top_v.shape[2]
+    cand_v = top_v.permute(1, 0, 2).reshape(n, splits * kp)
+    cand_i = top_i.permute(1, 0, 2).reshape(n, splits * kp)
+    values, where = cand_v.topk(k, dim=1)
+    ids = cand_i.gather(1, where).long()
+    # ">=": a value tied with the k-th may precede it (lower column) and was left out.
+    redo = part[:, 3].amax(dim=0) >= values[:, k - 1] if part.shape[1] > 3 else None
+    return row_max, sum_exp, target_logit, values, ids, redo
 
 
 def _stats_cuda(hidden, weight, target, k, chunk_size):
