@@ -108,6 +108,18 @@ for slots, grouped in ((1, False), (3, False), (3, True), (2, True)):
     assert torch.equal(got[3], logits.topk(12, dim=1).values)
     assert torch.equal(logits.gather(1, got[4]), got[3])
     assert all(len(set(row.tolist())) == 12 for row in got[4])
+# The merge of the splits' slots: ties within and across splits (the earlier split, then slot,
+# comes first), empty (-inf) slots, slots past k ignored, S * k not a power of two.
+tv = torch.randint(-4, 4, (3, 10, 8), generator=gen).float()
+tv[1, 2, :] = float("-inf")
+tv[:, :, 5:] = 100.0
+ti = torch.randint(0, 1000, (3, 10, 8), generator=gen, dtype=torch.int32)
+vals, ids = vo._vocab_triton.merge_topk(tv, ti, 5)
+flat_v = tv[:, :, :5].permute(1, 0, 2).reshape(10, 15)
+flat_i = ti[:, :, :5].permute(1, 0, 2).reshape(10, 15)
+ref = flat_v.sort(dim=1, descending=True, stable=True)
+assert torch.equal(vals, ref.values[:, :5]), (vals, ref.values)
+assert torch.equal(ids, flat_i.gather(1, ref.indices[:, :5]).long())
 print("interpreter ok")
 """
 

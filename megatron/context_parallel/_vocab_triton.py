@@ -43,6 +43,7 @@ Works with Triton 3.6 and 3.8 (plain pointer loads; no tensor descriptors), and 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -489,6 +490,40 @@ def _dlogits_kernel(
             tl.store(out, d.to(d_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["n", "S"])
+def _merge_topk_kernel(
+    topv_ptr,
+    topi_ptr,
+    out_v_ptr,
+    out_i_ptr,
+    n,
+    S,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    R: tl.constexpr,
+):
+    # Rows r0..r0+R: the first K slots of each of the S splits (fp32 values, int32 ids, laid out
+    # [S, n, KP]) become W int64 order keys per row; K passes take the largest key each.
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    c = tl.arange(0, W)
+    s = c // K
+    ok = (rows < n)[:, None] & (s < S)[None, :]
+    at = (s[None, :].to(tl.int64) * n + rows[:, None]) * KP + (c % K)[None, :]
+    v = tl.load(topv_ptr + at, mask=ok, other=float("-inf"))
+    ids = tl.load(topi_ptr + at, mask=ok, other=-1)
+    # The candidate's position breaks ties between equal values (earlier split, then slot).
+    key = tl.where(ok, _order_key(v, c[None, :] + tl.zeros((R, W), tl.int32)), _KEY_MIN)
+    out = rows.to(tl.int64) * K
+    for t in tl.static_range(K):
+        best = tl.max(key, axis=1)
+        hit = key == best[:, None]
+        best_id = tl.max(tl.where(hit, ids, -1), axis=1)
+        tl.store(out_v_ptr + out + t, _key_value(best), mask=rows < n)
+        tl.store(out_i_ptr + out + t, best_id.to(tl.int64), mask=rows < n)
+        key = tl.where(hit, _KEY_MIN, key)
+
+
 # --- launch helpers ------------------------------------------------------------------------------
 
 
@@ -665,3 +700,18 @@ def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d,
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
     )
+
+
+def merge_topk(top_v, top_i, k):
+    """The k largest of the forward's per-split slots: fp32 ``[n, k]`` values (descending) and
+    int64 ``[n, k]`` ids. ``top_v`` / ``top_i``: fp32 / int32 ``[S, n, KP]``, slots ``>= k`` unused;
+    equal values come out split by split, slot by slot. One program per ``R`` rows."""
+    splits, n, kp = top_v.shape
+    values = torch.empty(n, k, dtype=torch.float32, device=top_v.device)
+    ids = torch.empty(n, k, dtype=torch.int64, device=top_v.device)
+    width = _next_pow2(splits * k)
+    rows = max(1, min(16, 4096 // width))
+    _merge_topk_kernel[(triton.cdiv(n, rows),)](
+        top_v, top_i, values, ids, n, splits, K=k, KP=kp, W=width, R=rows, num_warps=4
+    )
+    return values, ids
