@@ -404,7 +404,7 @@ def _combine_splits(part, top_v, top_i, k):
     ``[n, k]`` ids, and a bool ``[n]`` mask of the rows whose top-k must be selected again (None
     without grouped candidates).
     """
-    splits, _, n = part.shape
+    n = part.shape[2]
     split_max = part[:, 0]
     row_max = split_max.amax(dim=0)
     sum_exp = (part[:, 1] * torch.exp(split_max - row_max)).sum(dim=0)
