@@ -340,13 +340,9 @@ def _stats_fwd_kernel(
                     t_i += tl.sum(pick, axis=1)
 
         if KP > 0 and GROUPED:
-            if FLATTEN:
-                # No data-dependent branch in a flattened loop (Triton 3.6's loop fusion fails on
-                # one here): offer on every tile.
-                top_k, thr_k, bound, drop = _offer_grouped(
-                    acc, tile * BN, V, top_k, thr_k, bound, drop, K, BM, BN, G, PASSES
-                )
-            elif tl.max((tile_max > _key_value(thr_k)).to(tl.int32), axis=0) > 0:
+            # A flattened loop offers on every tile: no data-dependent branch there (Triton 3.6's
+            # loop fusion fails on one). Otherwise tiles with nothing above the threshold skip.
+            if FLATTEN or tl.max((tile_max > _key_value(thr_k)).to(tl.int32), axis=0) > 0:
                 top_k, thr_k, bound, drop = _offer_grouped(
                     acc, tile * BN, V, top_k, thr_k, bound, drop, K, BM, BN, G, PASSES
                 )
