@@ -36,12 +36,21 @@ def launch(h, w, t, k, splits, **over):
     return lambda: _vocab_triton.launch_stats_fwd(h, w, t, k, part, tv, ti, splits, c, grouped)
 
 
+def splits_with(n, vocab, k, **over):
+    """``vocab_ops.forward_splits`` with the ``fwd_topk`` config overridden by ``over``."""
+    vocab_ops.set_kernel_config("fwd_topk", **over)
+    try:
+        return vocab_ops.forward_splits(n, vocab, k, slots)
+    finally:
+        vocab_ops.set_kernel_config("fwd_topk", **base)
+
+
 def probe(n, vocab, reps):
     h = torch.randn(n, 5120, device=dev, generator=gen).to(torch.bfloat16)
     w = (torch.randn(vocab, 5120, device=dev, generator=gen) * 2 / 5120**0.5).to(torch.bfloat16)
     t = torch.randint(0, vocab, (n,), device=dev, generator=gen)
     auto0 = vocab_ops.forward_splits(n, vocab, 0, slots)
-    dyn = vocab_ops._vocab_triton.choose_splits(-(-n // 128), -(-vocab // 256), slots, 20, 64, 0.01)
+    dyn = splits_with(n, vocab, 20, passes=0)
     fns = {"GEMM": lambda: h @ w.t()}
     fns["fwd k=0 path"] = lambda: vocab_ops.vocab_stats(h, w, t, 0)
     fns[f"top-20 path {base}"] = lambda: vocab_ops.vocab_stats(h, w, t, 20)
