@@ -13,7 +13,9 @@ TP-4 shard computed as one rank would), side by side in one run:
 
 Labels: uniform, every 7th -100 (ignored). Loss for forward+backward: ``sum(u * logprob)`` with
 random ``u`` (``ours+top20`` adds ``sum(U * top_logprob)``). Reported: median forward and
-forward+backward ms (CUDA events, after warm-up), the same in GEMMs, extra peak memory
+forward+backward ms (CUDA events, after warm-up; every method and the unit GEMM
+``hidden @ weight.T`` timed in turns), in GEMMs (per round the method's time over that round's
+GEMM, median over rounds: drift in clocks between rounds cancels), extra peak memory
 (``max_memory_allocated`` minus what was allocated before, minus the kept outputs: log-probs, and
 the two gradients in forward+backward), the max log-prob error against fp32 and fp64 references
 (valid labels only), and the gradients' relative error ``||g - g64|| / ||g64||`` for dH and dW
@@ -525,9 +527,10 @@ def sweep(inputs, device, reps, lines, kernels=("fwd", "fwd_topk", "promote", "b
 # --- one shape -----------------------------------------------------------------------------------
 
 
-def time_round_robin(fns, device, reps, warmup):
+def time_round_robin(fns, device, reps, warmup, unit=None):
     """Median ms of each ``fns[name]()``, timed in turns (every round runs each once), so that
-    clocks and temperature drift alike for all of them."""
+    clocks and temperature drift alike for all of them. With ``unit`` (a name in ``fns``) also
+    returns, per name, the median over rounds of its time over ``unit``'s in the same round."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -536,7 +539,13 @@ def time_round_robin(fns, device, reps, warmup):
     for _ in range(reps):
         for name, fn in fns.items():
             times[name].append(time_ms(fn, device, 1, 0))
-    return {name: statistics.median(t) for name, t in times.items()}
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    if unit is None:
+        return medians
+    ratios = {
+        name: statistics.median(a / b for a, b in zip(t, times[unit])) for name, t in times.items()
+    }
+    return medians, ratios
 
 
 def bench_shape(n, vocab, width, methods, device, reps, warmup, with_refs=True):
@@ -598,15 +607,16 @@ def bench_shape(n, vocab, width, methods, device, reps, warmup, with_refs=True):
         torch.cuda.empty_cache()
 
     gemm = lambda: hidden @ weight.t()  # noqa: E731
-    fwd_ms = time_round_robin({"gemm": gemm, **fwds}, device, reps, warmup)
-    train_ms = time_round_robin({"gemm": gemm, **trains}, device, reps, warmup)
+    # GEMMs: per round, the method's time over the GEMM's in that round; median over rounds.
+    fwd_ms, fwd_x = time_round_robin({"gemm": gemm, **fwds}, device, reps, warmup, "gemm")
+    train_ms, train_x = time_round_robin({"gemm": gemm, **trains}, device, reps, warmup, "gemm")
     results["gemm_ms"] = fwd_ms["gemm"]
     results["gemm_train_round_ms"] = train_ms["gemm"]
     for name in fwds:
         row = results["methods"][name]
         row["fwd_ms"], row["train_ms"] = fwd_ms[name], train_ms[name]
-        row["fwd_gemms"] = fwd_ms[name] / fwd_ms["gemm"]
-        row["train_gemms"] = train_ms[name] / train_ms["gemm"]
+        row["fwd_gemms"] = fwd_x[name]
+        row["train_gemms"] = train_x[name]
         row["fwd_gib"] = extra_peak_gib(fwds[name], device)
         row["train_gib"] = extra_peak_gib(trains[name], device)
         if device.type == "cuda":

@@ -2,19 +2,24 @@
 runs each variant once, so clock and power drift hit all alike): the cuBLAS GEMM, the k = 0 and
 top-20 paths, the kernel alone with k = 20 (as many selection passes per tile as needed with a
 plain tile loop, or a fixed number with a flattened one), k = 1 and k = 0 (the floor of the
-epilogue), the merge of the splits' results, and the exact re-selection of 18 rows. Prints ms
-and GEMMs (cuBLAS ``hidden @ weight.T``) per variant.
+epilogue), the merge of the splits' results, and the exact re-selection of 18 rows (through
+logit keys, its two pieces, and through the every-element kernel). Prints ms and GEMMs (cuBLAS
+``hidden @ weight.T``) per variant; then the host time of one call of each path (how long the
+GPU would wait on Python were it idle), the kernels of one top-20 call (torch.profiler), and on
+the TP-4 shard the backward's pieces.
 
     PYTHONPATH=$PWD python3 benchmarks/probe_topk.py [--reps 7]
 """
 
 import argparse
+import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, "benchmarks")
-from bench_head import time_round_robin  # noqa: E402
+from bench_head import backward_parts, time_round_robin  # noqa: E402
 
 from megatron.context_parallel import _vocab_triton, vocab_ops  # noqa: E402
 
@@ -76,7 +81,14 @@ def probe(n, vocab, reps):
     ti = torch.randint(0, vocab, (auto0, n, 32), device=dev, dtype=torch.int32)
     fns[f"merge of {auto0} splits"] = lambda: vocab_ops._combine_splits(part, tv, ti, 20)
     hs = h[:18].contiguous()
-    fns["redo of 18 rows"] = lambda: vocab_ops._stats_kernel(hs, w, None, 20, slots, False)
+    fns["redo of 18 rows, logit keys"] = lambda: vocab_ops._reselect(hs, w, 20, slots)
+    cfg = vocab_ops.kernel_config("fwd_topk")
+    keys = torch.empty(18, _vocab_triton.key_columns(vocab, cfg), dtype=torch.int64, device=dev)
+    fns["  logit keys kernel"] = lambda: _vocab_triton.logit_keys(hs, w, keys, cfg, slots)
+    fns["  topk of the keys"] = lambda: keys.topk(20, dim=1)
+    fns["redo of 18 rows, every-element kernel"] = lambda: vocab_ops._stats_kernel(
+        hs, w, None, 20, slots, False
+    )
     for name, fn in list(fns.items()):
         try:
             fn()
@@ -88,6 +100,25 @@ def probe(n, vocab, reps):
     print("| variant | ms | GEMMs |\n|---|---:|---:|")
     for name, ms in times.items():
         print(f"| {name} | {ms:.2f} | {ms / times['GEMM']:.3f} |")
+    print("\nhost ms per call (no sync; the top-20 path syncs once to count its re-selected rows)")
+    for name in ("fwd k=0 path", f"top-20 path {base}", "redo of 18 rows, logit keys"):
+        host = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fns[name]()
+            host.append((time.perf_counter() - t0) * 1e3)
+        print(f"{name[:40]}: {statistics.median(host):.3f}")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fns[f"top-20 path {base}"]()
+        torch.cuda.synchronize()
+    try:
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=14))
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: report and go on
+        print("profile table:", type(exc).__name__, exc)
+    if vocab < 100000 and n > 10000:
+        print("\n".join(backward_parts(h, w, dev, reps, times["GEMM"])))
 
 
 if __name__ == "__main__":

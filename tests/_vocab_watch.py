@@ -1,8 +1,8 @@
 """Watches which rows the forward's grouped top-k hands back for selection over every element.
 
 Shared by the CUDA tests, the interpreter test and ``benchmarks/bench_head.py``. It wraps the
-module's ``_stats_kernel``, so it depends on that internal name and signature on purpose: the
-re-selection call is ``_stats_kernel(rows, weight, None, k, slots, False)``.
+module's ``_reselect``, so it depends on that internal name and signature on purpose: the
+re-selection call is ``_reselect(rows, weight, k, slots)``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ def reselected_rows(vocab_ops):
     """Yields a list that collects, per forward call made inside the block, the number of rows
     selected again over every element (one entry per re-selection)."""
     counts = []
-    real = vocab_ops._stats_kernel
+    real = vocab_ops._reselect
 
-    def watch(hidden, weight, target, k, slots, grouped=None):
-        if grouped is False:
-            counts.append(hidden.shape[0])
-        return real(hidden, weight, target, k, slots, grouped)
+    def watch(hidden, weight, k, slots):
+        counts.append(hidden.shape[0])
+        return real(hidden, weight, k, slots)
 
-    vocab_ops._stats_kernel = watch
+    vocab_ops._reselect = watch
     try:
         yield counts
     finally:
-        vocab_ops._stats_kernel = real
+        vocab_ops._reselect = real

@@ -179,6 +179,25 @@ def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, passes, monk
     assert len(redone) == 1 and 1 <= redone[0] < 1000 // 50, redone
 
 
+@pytest.mark.parametrize("loading", ["tma", "pointers", "alt"], indirect=True)
+@pytest.mark.parametrize("vocab,k", [(5003, 20), (40, 64)])
+def test_reselection_gives_the_every_element_bits(vocab, k, loading, monkeypatch):
+    """The leftover rows' re-selection (logit keys and torch.topk, in one chunk or several, and
+    past the row limit the every-element kernel) returns the every-element forward's values and
+    ids bit for bit; k above the vocabulary pads with -inf and id -1."""
+    hidden, weight, _ = _inputs(300, vocab, 256, torch.bfloat16, 31 + vocab)
+    slots = vocab_ops._sm_count(hidden.device)
+    every = vocab_ops._stats_kernel(hidden, weight, None, k, slots, False)
+    rows = torch.tensor([0, 5, 77, 128, 299], device="cuda")
+    for limit, chunk in ((256, 128 << 20), (256, 8 * 2 * 256), (2, 128 << 20)):
+        monkeypatch.setattr(vocab_ops, "_RESELECT_ROWS", limit)
+        monkeypatch.setattr(vocab_ops, "_RESELECT_BYTES", chunk)
+        values, ids = vocab_ops._reselect(hidden[rows], weight, k, slots)
+        assert torch.equal(values, every[3][rows]) and torch.equal(ids, every[4][rows]), limit
+    if k > vocab:
+        assert torch.all(ids[:, vocab:] == -1) and torch.all(values[:, vocab:] == float("-inf"))
+
+
 def test_promoted_accumulation_is_at_least_as_exact():
     hidden, weight, gen = _inputs(700, 4000, 1024, torch.bfloat16, 22)
     target = torch.randint(0, 4000, (700,), generator=gen).cuda()

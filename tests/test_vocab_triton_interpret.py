@@ -108,18 +108,36 @@ for slots, grouped in ((1, False), (3, False), (3, True), (2, True)):
     assert torch.equal(got[3], logits.topk(12, dim=1).values)
     assert torch.equal(logits.gather(1, got[4]), got[3])
     assert all(len(set(row.tolist())) == 12 for row in got[4])
-# The merge of the splits' slots: ties within and across splits (the earlier split, then slot,
-# comes first), empty (-inf) slots, slots past k ignored, S * k not a power of two.
+# The merge of the splits' slots: ties within and across splits (ascending id comes first),
+# empty slots (-inf, id -1) last, slots past k ignored, S * k not a power of two.
 tv = torch.randint(-4, 4, (3, 10, 8), generator=gen).float()
+ti = torch.stack([torch.randperm(1000, generator=gen)[:24] for _ in range(10)], 1)
+ti = ti.view(10, 3, 8).transpose(0, 1).contiguous().int()
 tv[1, 2, :] = float("-inf")
+ti[1, 2, :] = -1
 tv[:, :, 5:] = 100.0
-ti = torch.randint(0, 1000, (3, 10, 8), generator=gen, dtype=torch.int32)
 vals, ids = vo._vocab_triton.merge_topk(tv, ti, 5)
 flat_v = tv[:, :, :5].permute(1, 0, 2).reshape(10, 15)
-flat_i = ti[:, :, :5].permute(1, 0, 2).reshape(10, 15)
-ref = flat_v.sort(dim=1, descending=True, stable=True)
+flat_i = ti[:, :, :5].permute(1, 0, 2).reshape(10, 15).long()
+by_id = flat_i.where(flat_i >= 0, 10**6).sort(dim=1, stable=True).indices
+ref = flat_v.gather(1, by_id).sort(dim=1, descending=True, stable=True)
 assert torch.equal(vals, ref.values[:, :5]), (vals, ref.values)
-assert torch.equal(ids, flat_i.gather(1, ref.indices[:, :5]).long())
+assert torch.equal(ids, flat_i.gather(1, by_id).gather(1, ref.indices[:, :5])), ids
+# The re-selection of leftover rows through logit keys, in one chunk, in chunks of rows, and
+# past the row limit (the every-element kernel): the same bits as the every-element forward;
+# k above the vocabulary pads with -inf and id -1.
+vo.set_kernel_config("fwd_topk", grouped=True, flatten=True, passes=2)
+h = torch.randint(-3, 4, (21, 32), generator=gen).half()
+w = torch.randint(-3, 4, (90, 32), generator=gen).half()
+for vocab, k in ((90, 12), (11, 16)):
+    every = vo._stats_kernel(h, w[:vocab], None, k, slots=3, grouped=False)
+    for rows, chunk in ((256, 1 << 20), (256, 8 * 100), (4, 1 << 20)):
+        vo._RESELECT_ROWS, vo._RESELECT_BYTES = rows, chunk
+        got = vo._reselect(h, w[:vocab], k, 3)
+        assert torch.equal(got[0], every[3]) and torch.equal(got[1], every[4]), (vocab, k, rows)
+vo._RESELECT_ROWS, vo._RESELECT_BYTES = 256, 128 << 20
+assert torch.equal(every[4][:, 11:], torch.full((21, 5), -1))
+assert torch.all(every[3][:, 11:] == float("-inf"))
 print("interpreter ok")
 """
 

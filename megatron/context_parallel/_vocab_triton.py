@@ -508,8 +508,11 @@ def _merge_topk_kernel(
     at = (s[None, :].to(tl.int64) * n + rows[:, None]) * KP + (c % K)[None, :]
     v = tl.load(topv_ptr + at, mask=ok, other=float("-inf"))
     ids = tl.load(topi_ptr + at, mask=ok, other=-1)
-    # The candidate's position breaks ties between equal values (earlier split, then slot).
-    key = tl.where(ok, _order_key(v, c[None, :] + tl.zeros((R, W), tl.int32)), _KEY_MIN)
+    # A row's ids are distinct (each column lives in one split, once), so keys on (value, id)
+    # are: equal values come out in ascending id, as from every other selection path. Empty
+    # slots (id -1) get distinct columns above every id.
+    col = tl.where(ids >= 0, ids, _BIG - W + c[None, :])
+    key = tl.where(ok, _order_key(v, col), _KEY_MIN)
     out = rows.to(tl.int64) * K
     for t in tl.static_range(K):
         best = tl.max(key, axis=1)
@@ -518,6 +521,67 @@ def _merge_topk_kernel(
         tl.store(out_v_ptr + out + t, _key_value(best), mask=rows < n)
         tl.store(out_i_ptr + out + t, best_id.to(tl.int64), mask=rows < n)
         key = tl.where(hit, _KEY_MIN, key)
+
+
+@triton.jit(do_not_specialize=["n", "V", "H", "num_progs"])
+def _logit_keys_kernel(
+    h_ptr,
+    w_ptr,
+    h_desc,
+    w_desc,
+    key_ptr,
+    n,
+    V,
+    H,
+    stride_h,
+    stride_w,
+    stride_key,
+    num_progs,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PROMOTE: tl.constexpr,
+):
+    # Program p computes tiles p, p + num_progs, ... (row blocks fastest) with the forward
+    # kernel's tile code, so the logits are bit for bit the forward's, and stores their order
+    # keys; columns past V (up to the last tile's end) get keys of -inf, below every logit.
+    # (A flattened loop would stage the int64 tile through shared memory: 272 KiB, over the
+    # limit, with Triton 3.6 for sm_90.)
+    pid = tl.program_id(0)
+    num_r = tl.cdiv(n, BM)
+    rk = tl.arange(0, BK)
+    for t in range(pid, num_r * tl.cdiv(V, BN), num_progs):
+        r = t % num_r
+        c = t // num_r
+        rows = r * BM + tl.arange(0, BM)
+        rows_ld = (rows % n).to(tl.int64)
+        cols = c * BN + tl.arange(0, BN)
+        cols_ld = (cols % V).to(tl.int64)
+        a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
+        b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
+        acc = _tile_logits(
+            a_ptrs,
+            b_ptrs,
+            h_desc,
+            w_desc,
+            r * BM,
+            c * BN,
+            H,
+            BM,
+            BN,
+            BK,
+            EVEN_K,
+            IEEE,
+            USE_TMA,
+            PROMOTE,
+        )
+        acc = tl.where(cols[None, :] < V, acc, float("-inf"))
+        key = _order_key(acc, cols[None, :] + tl.zeros((BM, BN), tl.int32))
+        out = key_ptr + rows.to(tl.int64)[:, None] * stride_key + cols[None, :]
+        tl.store(out, key, mask=(rows < n)[:, None])
 
 
 # --- launch helpers ------------------------------------------------------------------------------
@@ -700,8 +764,9 @@ def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d,
 
 def merge_topk(top_v, top_i, k):
     """The k largest of the forward's per-split slots: fp32 ``[n, k]`` values (descending) and
-    int64 ``[n, k]`` ids. ``top_v`` / ``top_i``: fp32 / int32 ``[S, n, KP]``, slots ``>= k`` unused;
-    equal values come out split by split, slot by slot. One program per ``R`` rows."""
+    int64 ``[n, k]`` ids. ``top_v`` / ``top_i``: fp32 / int32 ``[S, n, KP]``, slots ``>= k`` unused,
+    a row's ids distinct, empty slots -inf with id -1; equal values come out in ascending id,
+    empty slots last. One program per ``R`` rows."""
     splits, n, kp = top_v.shape
     values = torch.empty(n, k, dtype=torch.float32, device=top_v.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=top_v.device)
@@ -711,3 +776,55 @@ def merge_topk(top_v, top_i, k):
         top_v, top_i, values, ids, n, splits, K=k, KP=kp, W=width, R=rows, num_warps=4
     )
     return values, ids
+
+
+def key_columns(vocab: int, cfg) -> int:
+    """Columns of ``logit_keys``' output for a vocabulary of ``vocab``: whole tiles."""
+    return triton.cdiv(vocab, cfg["BN"]) * cfg["BN"]
+
+
+def logit_keys(hidden, weight, keys, cfg, slots):
+    """Writes into int64 ``keys`` (``[n, key_columns(V)]``) the order keys (``_order_key``: value,
+    then lowest column) of the fp32 logits ``hidden @ weight.T``, computed by the forward kernel's
+    tile code with the tile ``cfg`` (so the same bits as ``_stats_fwd_kernel`` with that config);
+    columns past ``V`` get keys of -inf. ``slots``: programs that fit the device at once."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    tiles = triton.cdiv(n, bm) * triton.cdiv(v, bn)
+    progs = max(1, min(tiles, slots))
+    use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight)
+    h_desc, w_desc = _descriptors(hidden, weight, bm, bn, bk, use_tma)
+    _logit_keys_kernel[(progs,)](
+        hidden,
+        weight,
+        h_desc,
+        w_desc,
+        keys,
+        n,
+        v,
+        h,
+        hidden.stride(0),
+        weight.stride(0),
+        keys.stride(0),
+        progs,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        EVEN_K=(h % bk == 0),
+        IEEE=hidden.dtype.itemsize == 4,
+        USE_TMA=use_tma,
+        PROMOTE=bool(cfg.get("promote")),
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+    )
+
+
+def decode_keys(keys, vocab: int):
+    """fp32 values and int64 columns of int64 order keys (``_order_key``); keys of columns past
+    ``vocab`` (padding) decode to -inf and id -1."""
+    hi = (keys >> 32).to(torch.int32)
+    values = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+    pad = ids >= vocab
+    return values.masked_fill(pad, float("-inf")), ids.masked_fill(pad, -1)

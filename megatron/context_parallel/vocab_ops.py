@@ -70,6 +70,7 @@ Paths:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional, Tuple
 
@@ -93,6 +94,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KERNEL_MAX_K = 64
 _FWD_CHUNK_BYTES = 256 << 20
 _BWD_SLICE_BYTES = 512 << 20
+# The exact re-selection of the grouped top-k's leftover rows through logit keys: at most this
+# many rows (more go to the every-element kernel), int64 keys of at most this many bytes at once.
+_RESELECT_ROWS = 256
+_RESELECT_BYTES = 128 << 20
 
 # Tile configurations of the Triton kernels (H200 sweep in NOTES.md "Head kernels").
 # ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
@@ -331,18 +336,34 @@ def forward_splits(n: int, vocab: int, k: int, slots: int, grouped: Optional[boo
     cfg = _CONFIG["fwd_topk" if k else "fwd"]
     if cfg.get("splits"):
         return int(cfg["splits"])
-    row_blocks = -(-n // cfg["BM"])
-    tiles = -(-vocab // cfg["BN"])
     if grouped is None:
         grouped = _grouped_topk(k, None)
+    # The model's search costs ~40-70 us of Python, which a GPU waiting on the launch would see:
+    # memoised on everything it reads.
+    return _splits_for(
+        n,
+        vocab,
+        k,
+        slots * cfg["ctas_per_sm"],
+        bool(grouped),
+        cfg["BM"],
+        cfg["BN"],
+        cfg.get("pass_cost"),
+        int(cfg.get("passes", 0)),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits_for(n, vocab, k, slots, grouped, bm, bn, pass_cost, passes):
+    row_blocks = -(-n // bm)
+    tiles = -(-vocab // bn)
     # Grouped passes are cheaper than choose_splits' default (a pass over a whole tile); a fixed
     # number of them per tile costs the same whatever the split, like no top-k at all.
-    extra = {"pass_cost": cfg["pass_cost"]} if grouped and "pass_cost" in cfg else {}
-    if grouped and cfg.get("passes"):
+    extra = {"pass_cost": pass_cost} if grouped and pass_cost is not None else {}
+    if grouped and passes:
         k = 0
-    # A few row blocks (the exact re-selection of a few rows, small batches) may use more splits
-    # than the default cap, to fill the device.
-    slots *= cfg["ctas_per_sm"]
+    # A few row blocks (small batches) may use more splits than the default cap, to fill the
+    # device.
     extra["max_splits"] = max(64, slots // row_blocks)
     splits = _vocab_triton.choose_splits(row_blocks, tiles, slots, k, **extra)
     per = -(-tiles // splits)
@@ -368,7 +389,7 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     tile, or with a fixed number of passes per tile, one they did not reach) is at or above the
     row's k-th value: the kernel reports the largest one per row, and those rows (random logits,
     k = 20, H200: 0.010% at 151,936 columns, 0.09% at 37,984) are selected again over every
-    element.
+    element by ``_reselect``.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     cfg = _CONFIG["fwd_topk" if k else "fwd"]
@@ -388,10 +409,39 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     if redo is not None:
         redo = redo.nonzero().squeeze(1)
         if redo.numel():
-            exact = _stats_kernel(hidden.index_select(0, redo), weight, None, k, slots, False)
-            values.index_copy_(0, redo, exact[3])
-            ids.index_copy_(0, redo, exact[4])
+            exact_v, exact_i = _reselect(hidden.index_select(0, redo), weight, k, slots)
+            values.index_copy_(0, redo, exact_v)
+            ids.index_copy_(0, redo, exact_i)
     return row_max, sum_exp, target_logit, values, ids
+
+
+def _reselect(hidden, weight, k, slots):
+    """The exact top-k over every element of a few rows (the grouped selection's leftovers):
+    fp32 ``[m, k]`` values and int64 ``[m, k]`` ids, as the every-element forward would give them.
+
+    Up to ``_RESELECT_ROWS`` rows: the forward's tile code writes the logits' order keys
+    (``_vocab_triton.logit_keys``, at most ``_RESELECT_BYTES`` a chunk of rows) and
+    ``torch.topk`` picks the k largest. One pass over the weight (the floor for a few rows)
+    against the every-element kernel's ~20 selection passes per split's first tiles: H200,
+    18 rows, see RESULTS.md "Session 6". More rows: the every-element forward kernel.
+    """
+    m, vocab = hidden.shape[0], weight.shape[0]
+    cfg = _CONFIG["fwd_topk"]
+    if m > _RESELECT_ROWS:
+        out = _stats_kernel(hidden, weight, None, k, slots, False)
+        return out[3], out[4]
+    width = _vocab_triton.key_columns(vocab, cfg)
+    step = max(1, min(m, _RESELECT_BYTES // (8 * width)))
+    values = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
+    keys = torch.empty(step, width, dtype=torch.int64, device=hidden.device)
+    for r0 in range(0, m, step):
+        r1 = min(r0 + step, m)
+        _vocab_triton.logit_keys(hidden[r0:r1], weight, keys[: r1 - r0], cfg, slots)
+        # Keys are distinct: no ties for topk to order.
+        top = keys[: r1 - r0].topk(k, dim=1).values
+        values[r0:r1], ids[r0:r1] = _vocab_triton.decode_keys(top, vocab)
+    return values, ids
 
 
 def _combine_splits(part, top_v, top_i, k):
