@@ -59,6 +59,15 @@ def probe(n, vocab, reps):
     fns = {"GEMM": lambda: h @ w.t()}
     fns["fwd k=0 path"] = lambda: vocab_ops.vocab_stats(h, w, t, 0)
     fns[f"top-20 path {base}"] = lambda: vocab_ops.vocab_stats(h, w, t, 20)
+
+    def no_ahead():
+        vocab_ops.set_kernel_config("fwd_topk", reselect_ahead=0)
+        try:
+            return vocab_ops.vocab_stats(h, w, t, 20)
+        finally:
+            vocab_ops.set_kernel_config("fwd_topk", **base)
+
+    fns["top-20 path, re-selection keys after the host read"] = no_ahead
     fns[f"kernel k=0 flatten splits={auto0}"] = launch(h, w, t, 0, auto0)
     fns[f"kernel k=20 dynamic plain splits={dyn}"] = launch(
         h, w, t, 20, dyn, flatten=False, passes=0

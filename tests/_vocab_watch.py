@@ -2,7 +2,7 @@
 
 Shared by the CUDA tests, the interpreter test and ``benchmarks/bench_head.py``. It wraps the
 module's ``_reselect``, so it depends on that internal name and signature on purpose: the
-re-selection call is ``_reselect(rows, weight, k, slots)``.
+re-selection call is ``_reselect(rows, weight, k, slots, keys=None)``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ def reselected_rows(vocab_ops):
     counts = []
     real = vocab_ops._reselect
 
-    def watch(hidden, weight, k, slots):
+    def watch(hidden, weight, k, slots, keys=None):
         counts.append(hidden.shape[0])
-        return real(hidden, weight, k, slots)
+        return real(hidden, weight, k, slots, keys)
 
     vocab_ops._reselect = watch
     try:

@@ -196,6 +196,17 @@ def test_reselection_gives_the_every_element_bits(vocab, k, loading, monkeypatch
         assert torch.equal(values, every[3][rows]) and torch.equal(ids, every[4][rows]), limit
     if k > vocab:
         assert torch.all(ids[:, vocab:] == -1) and torch.all(values[:, vocab:] == float("-inf"))
+    mask = torch.zeros(300, dtype=torch.bool, device="cuda")
+    mask[rows] = True
+    cfg = vocab_ops.kernel_config("fwd_topk")
+    for ahead in (0, 3, 128):
+        values = torch.zeros(300, k, device="cuda")
+        ids = torch.zeros(300, k, dtype=torch.int64, device="cuda")
+        vocab_ops._reselect_into(
+            hidden, weight, mask, values, ids, k, slots, dict(cfg, reselect_ahead=ahead)
+        )
+        assert torch.equal(values[mask], every[3][mask]) and torch.equal(ids[mask], every[4][mask])
+        assert not values[~mask].any() and not ids[~mask].any()
 
 
 def test_promoted_accumulation_is_at_least_as_exact():

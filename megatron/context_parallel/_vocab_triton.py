@@ -530,6 +530,7 @@ def _logit_keys_kernel(
     h_desc,
     w_desc,
     key_ptr,
+    count_ptr,
     n,
     V,
     H,
@@ -544,7 +545,12 @@ def _logit_keys_kernel(
     IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
     PROMOTE: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
 ):
+    # With HAS_COUNT only the first min(n, *count_ptr) rows: a row count that only the device
+    # knows yet (zero: nothing to do).
+    if HAS_COUNT:
+        n = tl.minimum(tl.load(count_ptr).to(tl.int32), n)
     # Program p computes tiles p, p + num_progs, ... (row blocks fastest) with the forward
     # kernel's tile code, so the logits are bit for bit the forward's, and stores their order
     # keys; columns past V (up to the last tile's end) get keys of -inf, below every logit.
@@ -783,11 +789,13 @@ def key_columns(vocab: int, cfg) -> int:
     return triton.cdiv(vocab, cfg["BN"]) * cfg["BN"]
 
 
-def logit_keys(hidden, weight, keys, cfg, slots):
+def logit_keys(hidden, weight, keys, cfg, slots, count=None):
     """Writes into int64 ``keys`` (``[n, key_columns(V)]``) the order keys (``_order_key``: value,
     then lowest column) of the fp32 logits ``hidden @ weight.T``, computed by the forward kernel's
     tile code with the tile ``cfg`` (so the same bits as ``_stats_fwd_kernel`` with that config);
-    columns past ``V`` get keys of -inf. ``slots``: programs that fit the device at once."""
+    columns past ``V`` get keys of -inf. ``slots``: programs that fit the device at once.
+    ``count``: a one-element integer tensor on the device; only its first ``count`` rows (at most
+    ``n``) are written."""
     n, h = hidden.shape
     v = weight.shape[0]
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -801,6 +809,7 @@ def logit_keys(hidden, weight, keys, cfg, slots):
         h_desc,
         w_desc,
         keys,
+        count if count is not None else keys,
         n,
         v,
         h,
@@ -815,6 +824,7 @@ def logit_keys(hidden, weight, keys, cfg, slots):
         IEEE=hidden.dtype.itemsize == 4,
         USE_TMA=use_tma,
         PROMOTE=bool(cfg.get("promote")),
+        HAS_COUNT=count is not None,
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
     )

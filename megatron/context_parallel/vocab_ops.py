@@ -108,7 +108,18 @@ _CONFIG = {
     "fwd": dict(_TILE, GROUP=8, flatten=True),
     # passes: selection passes per tile (0: as many as the tile needs, in a loop that keeps Triton
     # from fusing the tile loop); pass_cost: one pass in tiles of matmul, for the split model.
-    "fwd_topk": dict(_TILE, GROUP=8, grouped=True, G=8, flatten=True, passes=3, pass_cost=0.01),
+    # reselect_ahead: rows re-selected over every element whose logit keys the device computes
+    # before the host reads how many rows need it (see _reselect_into).
+    "fwd_topk": dict(
+        _TILE,
+        GROUP=8,
+        grouped=True,
+        G=8,
+        flatten=True,
+        passes=3,
+        pass_cost=0.01,
+        reselect_ahead=128,
+    ),
     "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True),
 }
 
@@ -127,7 +138,9 @@ def set_kernel_config(name: str, **cfg) -> None:
     with IEEE fp32 adds: more exact logits, slower; see ``_vocab_triton._tile_logits``),
     flatten (let Triton pipeline the operand loads across consecutive tiles of one program),
     persistent ("bwd": one program per slot walking the tiles), tma_store ("bwd": ``d_logits``
-    written through a tensor descriptor).
+    written through a tensor descriptor); "fwd_topk" only: grouped (candidates per column group,
+    or every element), G (column groups per tile), passes (selection passes per tile, 0: as many
+    as needed), pass_cost (split model), reselect_ahead (see ``_reselect_into``).
     """
     if name not in _CONFIG:
         raise ValueError(f"unknown kernel config {name!r}; expected one of {sorted(_CONFIG)}")
@@ -407,26 +420,56 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     )
     row_max, sum_exp, target_logit, values, ids, redo = _combine_splits(part, top_v, top_i, k)
     if redo is not None:
-        redo = redo.nonzero().squeeze(1)
-        if redo.numel():
-            exact_v, exact_i = _reselect(hidden.index_select(0, redo), weight, k, slots)
-            values.index_copy_(0, redo, exact_v)
-            ids.index_copy_(0, redo, exact_i)
+        _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg)
     return row_max, sum_exp, target_logit, values, ids
 
 
-def _reselect(hidden, weight, k, slots):
+def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg):
+    """Overwrites the top-k ``values`` / ``ids`` of the rows flagged in the bool ``[n]`` mask
+    ``redo`` with their exact top-k over every element (``_reselect``). One host read: how many
+    rows are flagged. Before it, the device already computes the logit keys of the first
+    ``cfg["reselect_ahead"]`` flagged rows (``nonzero_static``, a count kept on the device and a
+    kernel that stops at it: no host read), so the GPU works while the host waits and only the
+    small top-k of the keys follows."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    width = _vocab_triton.key_columns(vocab, cfg)
+    ahead = min(n, int(cfg.get("reselect_ahead", 0)), _RESELECT_BYTES // (8 * width))
+    if ahead:
+        first = torch.nonzero_static(redo, size=ahead, fill_value=0).squeeze(1)
+        count = redo.sum(dtype=torch.int32).reshape(1)
+        rows = hidden.index_select(0, first)
+        keys = torch.empty(ahead, width, dtype=torch.int64, device=hidden.device)
+        _vocab_triton.logit_keys(rows, weight, keys, cfg, slots, count)
+        m = int(count.item())
+        if m <= ahead:
+            if m:
+                exact_v, exact_i = _reselect(rows[:m], weight, k, slots, keys[:m])
+                values.index_copy_(0, first[:m], exact_v)
+                ids.index_copy_(0, first[:m], exact_i)
+            return
+    which = redo.nonzero().squeeze(1)
+    if which.numel():
+        exact_v, exact_i = _reselect(hidden.index_select(0, which), weight, k, slots)
+        values.index_copy_(0, which, exact_v)
+        ids.index_copy_(0, which, exact_i)
+
+
+def _reselect(hidden, weight, k, slots, keys=None):
     """The exact top-k over every element of a few rows (the grouped selection's leftovers):
     fp32 ``[m, k]`` values and int64 ``[m, k]`` ids, as the every-element forward would give them.
 
     Up to ``_RESELECT_ROWS`` rows: the forward's tile code writes the logits' order keys
-    (``_vocab_triton.logit_keys``, at most ``_RESELECT_BYTES`` a chunk of rows) and
-    ``torch.topk`` picks the k largest. One pass over the weight (the floor for a few rows)
-    against the every-element kernel's ~20 selection passes per split's first tiles: H200,
-    18 rows, see RESULTS.md "Session 6". More rows: the every-element forward kernel.
+    (``_vocab_triton.logit_keys``, at most ``_RESELECT_BYTES`` a chunk of rows; ``keys``: those
+    of all ``m`` rows, already written) and ``torch.topk`` picks the k largest. One pass over the
+    weight (the floor for a few rows) against the every-element kernel's ~20 selection passes per
+    split's first tiles: H200, 18 rows, see RESULTS.md "Session 6". More rows: the every-element
+    forward kernel.
     """
     m, vocab = hidden.shape[0], weight.shape[0]
     cfg = _CONFIG["fwd_topk"]
+    if keys is not None:
+        # Keys are distinct: no ties for topk to order.
+        return _vocab_triton.decode_keys(keys.topk(k, dim=1).values, vocab)
     if m > _RESELECT_ROWS:
         out = _stats_kernel(hidden, weight, None, k, slots, False)
         return out[3], out[4]
@@ -438,7 +481,6 @@ def _reselect(hidden, weight, k, slots):
     for r0 in range(0, m, step):
         r1 = min(r0 + step, m)
         _vocab_triton.logit_keys(hidden[r0:r1], weight, keys[: r1 - r0], cfg, slots)
-        # Keys are distinct: no ties for topk to order.
         top = keys[: r1 - r0].topk(k, dim=1).values
         values[r0:r1], ids[r0:r1] = _vocab_triton.decode_keys(top, vocab)
     return values, ids
