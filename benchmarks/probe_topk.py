@@ -1,9 +1,9 @@
 """Where the forward top-k's time goes (diagnostic, GPU). Per shape, timed in turns (every round
 runs each variant once, so clock and power drift hit all alike): the cuBLAS GEMM, the k = 0 and
-top-20 paths, the kernel alone with k = 20 (as many selection passes per tile as needed with a
-plain tile loop, or a fixed number with a flattened one), k = 1 and k = 0 (the floor of the
-epilogue), the merge of the splits' results, and the exact re-selection of 18 rows (through
-logit keys, its two pieces, and through the every-element kernel). Prints ms and GEMMs (cuBLAS
+top-20 paths (re-selection queued before or after the host read), the kernel alone with k = 20
+(three selection passes per tile, flattened loop), k = 1 and k = 0 (the floor of the epilogue),
+the merge of the splits' results, and the exact re-selection of 18 rows (through
+logit keys, its pieces, and through the every-element kernel). Prints ms and GEMMs (cuBLAS
 ``hidden @ weight.T``) per variant; then the host time of one call of each path (how long the
 GPU would wait on Python were it idle), the kernels of one top-20 call (torch.profiler), and on
 the TP-4 shard the backward's pieces.
@@ -41,21 +41,11 @@ def launch(h, w, t, k, splits, **over):
     return lambda: _vocab_triton.launch_stats_fwd(h, w, t, k, part, tv, ti, splits, c, grouped)
 
 
-def splits_with(n, vocab, k, **over):
-    """``vocab_ops.forward_splits`` with the ``fwd_topk`` config overridden by ``over``."""
-    vocab_ops.set_kernel_config("fwd_topk", **over)
-    try:
-        return vocab_ops.forward_splits(n, vocab, k, slots)
-    finally:
-        vocab_ops.set_kernel_config("fwd_topk", **base)
-
-
 def probe(n, vocab, reps):
     h = torch.randn(n, 5120, device=dev, generator=gen).to(torch.bfloat16)
     w = (torch.randn(vocab, 5120, device=dev, generator=gen) * 2 / 5120**0.5).to(torch.bfloat16)
     t = torch.randint(0, vocab, (n,), device=dev, generator=gen)
     auto0 = vocab_ops.forward_splits(n, vocab, 0, slots)
-    dyn = splits_with(n, vocab, 20, passes=0)
     fns = {"GEMM": lambda: h @ w.t()}
     fns["fwd k=0 path"] = lambda: vocab_ops.vocab_stats(h, w, t, 0)
     fns[f"top-20 path {base}"] = lambda: vocab_ops.vocab_stats(h, w, t, 20)
@@ -69,18 +59,8 @@ def probe(n, vocab, reps):
 
     fns["top-20 path, re-selection keys after the host read"] = no_ahead
     fns[f"kernel k=0 flatten splits={auto0}"] = launch(h, w, t, 0, auto0)
-    fns[f"kernel k=20 dynamic plain splits={dyn}"] = launch(
-        h, w, t, 20, dyn, flatten=False, passes=0
-    )
-    fns[f"kernel k=20 dynamic plain splits={auto0}"] = launch(
-        h, w, t, 20, auto0, flatten=False, passes=0
-    )
-    for p in (2, 3, 4):
-        fns[f"kernel k=20 passes={p} flatten splits={auto0}"] = launch(
-            h, w, t, 20, auto0, flatten=True, passes=p
-        )
-    fns[f"kernel k=20 passes=3 flatten splits={dyn}"] = launch(
-        h, w, t, 20, dyn, flatten=True, passes=3
+    fns[f"kernel k=20 passes=3 flatten splits={auto0}"] = launch(
+        h, w, t, 20, auto0, flatten=True, passes=3
     )
     fns[f"kernel k=1 passes=1 flatten splits={auto0}"] = launch(
         h, w, t, 1, auto0, flatten=True, passes=1
@@ -88,13 +68,22 @@ def probe(n, vocab, reps):
     part = torch.randn(auto0, 4, n, device=dev)
     tv = torch.randn(auto0, n, 32, device=dev)
     ti = torch.randint(0, vocab, (auto0, n, 32), device=dev, dtype=torch.int32)
-    fns[f"merge of {auto0} splits"] = lambda: vocab_ops._combine_splits(part, tv, ti, 20)
+    fns[f"merge of {auto0} splits"] = lambda: vocab_ops._combine_splits(part, tv, ti, 20, vocab)
     hs = h[:18].contiguous()
     fns["redo of 18 rows, logit keys"] = lambda: vocab_ops._reselect(hs, w, 20, slots)
     cfg = vocab_ops.kernel_config("fwd_topk")
     keys = torch.empty(18, _vocab_triton.key_columns(vocab, cfg), dtype=torch.int64, device=dev)
-    fns["  logit keys kernel"] = lambda: _vocab_triton.logit_keys(hs, w, keys, cfg, slots)
-    fns["  topk of the keys"] = lambda: keys.topk(20, dim=1)
+    tile = vocab_ops._keys_tile(cfg)
+    fns["  logit keys kernel (BM 64)"] = lambda: _vocab_triton.logit_keys(hs, w, keys, tile, slots)
+    fns["  logit keys kernel (BM 128)"] = lambda: _vocab_triton.logit_keys(hs, w, keys, cfg, slots)
+    count18 = torch.full((1,), 18, dtype=torch.int32, device=dev)
+    rows18 = torch.arange(18, device=dev)
+    v18 = torch.empty(18, 20, device=dev)
+    i18 = torch.empty(18, 20, dtype=torch.int64, device=dev)
+    fns["  top-k of the keys (topk_of_keys)"] = lambda: _vocab_triton.topk_of_keys(
+        keys, count18, 20, vocab, rows18, v18, i18
+    )
+    fns["  torch.topk of the keys"] = lambda: keys.topk(20, dim=1)
     fns["redo of 18 rows, every-element kernel"] = lambda: vocab_ops._stats_kernel(
         hs, w, None, 20, slots, False
     )
@@ -105,7 +94,7 @@ def probe(n, vocab, reps):
             print(name, type(exc).__name__, str(exc).strip().splitlines()[-1][:300])
             del fns[name]
     times = time_round_robin(fns, dev, reps, 1)
-    print(f"\n{n}x{vocab}: splits k=0 model {auto0}, top-k model {dyn}\n")
+    print(f"\n{n}x{vocab}: splits {auto0}\n")
     print("| variant | ms | GEMMs |\n|---|---:|---:|")
     for name, ms in times.items():
         print(f"| {name} | {ms:.2f} | {ms / times['GEMM']:.3f} |")

@@ -3,7 +3,7 @@
 #
 # Usage (repo root):
 #   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|probe|
-#                             head]
+#                             head|probe-head]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head | probe-head) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -68,22 +68,23 @@ head_gpu_tests() {
     | tee "$out/vocab_tests.log" | tail -n 6
 }
 
-if [[ "$mode" == probe || "$mode" == head || "$mode" == topk ]]; then
+if [[ "$mode" == probe || "$mode" == head || "$mode" == topk || "$mode" == probe-head ]]; then
   # probe: where the forward top-k's time goes (benchmarks/probe_topk.py); head: the head table
-  # (bench_head.py, peers from .whl); topk: the top-k configs side by side on both shapes. Each
-  # then runs the head's GPU tests.
+  # (bench_head.py, peers from .whl; BENCH_METHODS narrows it); probe-head: both; topk: the top-k
+  # configs side by side on both shapes. Each then runs the head's GPU tests.
   carry_wheels
+  if [[ "$mode" == probe || "$mode" == probe-head ]]; then
+    echo "== top-k probe"
+    timeout "${PROBE_TIMEOUT:-300}" "$py" benchmarks/probe_topk.py 2>&1 \
+      | tee "$out/probe_topk.log" | grep -E "^\||x[0-9]+:|Error" | tail -n 70
+  fi
+  if [[ "$mode" == head || "$mode" == probe-head ]]; then
+    echo "== head benchmark"
+    timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --reps "${BENCH_REPS:-3}" \
+      --warmup 1 ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --out "$out" 2>&1 \
+      | tee "$out/head_bench.log" | tail -n 40
+  fi
   case "$mode" in
-    probe)
-      echo "== top-k probe"
-      timeout "${PROBE_TIMEOUT:-300}" "$py" benchmarks/probe_topk.py 2>&1 \
-        | tee "$out/probe_topk.log" | grep -E "^\||x[0-9]+:|Error" | tail -n 60
-      ;;
-    head)
-      echo "== head benchmark"
-      timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --reps 3 --warmup 1 \
-        --out "$out" 2>&1 | tee "$out/head_bench.log" | tail -n 40
-      ;;
     topk)
       echo "== top-k sweep"
       timeout "${SWEEP_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --sweep --sweep-only \

@@ -1,8 +1,9 @@
 """Watches which rows the forward's grouped top-k hands back for selection over every element.
 
 Shared by the CUDA tests, the interpreter test and ``benchmarks/bench_head.py``. It wraps the
-module's ``_reselect``, so it depends on that internal name and signature on purpose: the
-re-selection call is ``_reselect(rows, weight, k, slots, keys=None)``.
+module's ``_reselect_into``, so it depends on that internal name and signature on purpose:
+``_reselect_into(hidden, weight, redo, values, ids, k, slots, cfg)`` returns how many rows it
+selected again.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ def reselected_rows(vocab_ops):
     """Yields a list that collects, per forward call made inside the block, the number of rows
     selected again over every element (one entry per re-selection)."""
     counts = []
-    real = vocab_ops._reselect
+    real = vocab_ops._reselect_into
 
-    def watch(hidden, weight, k, slots, keys=None):
-        counts.append(hidden.shape[0])
-        return real(hidden, weight, k, slots, keys)
+    def watch(*args):
+        m = real(*args)
+        if m:
+            counts.append(m)
+        return m
 
-    vocab_ops._reselect = watch
+    vocab_ops._reselect_into = watch
     try:
         yield counts
     finally:
-        vocab_ops._reselect = real
+        vocab_ops._reselect_into = real

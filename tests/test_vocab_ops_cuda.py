@@ -209,6 +209,24 @@ def test_reselection_gives_the_every_element_bits(vocab, k, loading, monkeypatch
         assert not values[~mask].any() and not ids[~mask].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logit_keys_tile_keeps_the_forward_bits(dtype):
+    """The re-selection's 64-row, one-warpgroup keys tile gives the 128-row, two-warpgroup tile's
+    bits (the forward's), with the operands through descriptors and through pointers."""
+    from megatron.context_parallel import _vocab_triton
+
+    hidden, weight, _ = _inputs(100, 3001, 5120, dtype, 41)
+    slots = vocab_ops._sm_count(hidden.device)
+    for tma in (True, False):
+        cfg = dict(vocab_ops.kernel_config("fwd_topk"), tma=tma)
+        width = _vocab_triton.key_columns(3001, cfg)
+        got = [torch.empty(100, width, dtype=torch.int64, device="cuda") for _ in range(2)]
+        _vocab_triton.logit_keys(hidden, weight, got[0], cfg, slots)
+        _vocab_triton.logit_keys(hidden, weight, got[1], vocab_ops._keys_tile(cfg), slots)
+        assert vocab_ops._keys_tile(cfg)["BM"] == 64
+        assert torch.equal(got[0], got[1]), tma
+
+
 def test_promoted_accumulation_is_at_least_as_exact():
     hidden, weight, gen = _inputs(700, 4000, 1024, torch.bfloat16, 22)
     target = torch.randint(0, 4000, (700,), generator=gen).cuda()

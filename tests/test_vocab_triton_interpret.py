@@ -116,7 +116,7 @@ ti = ti.view(10, 3, 8).transpose(0, 1).contiguous().int()
 tv[1, 2, :] = float("-inf")
 ti[1, 2, :] = -1
 tv[:, :, 5:] = 100.0
-vals, ids = vo._vocab_triton.merge_topk(tv, ti, 5)
+vals, ids = vo._vocab_triton.merge_topk(tv, ti, 5, 1000)
 flat_v = tv[:, :, :5].permute(1, 0, 2).reshape(10, 15)
 flat_i = ti[:, :, :5].permute(1, 0, 2).reshape(10, 15).long()
 by_id = flat_i.where(flat_i >= 0, 10**6).sort(dim=1, stable=True).indices

@@ -486,7 +486,21 @@ def _dlogits_kernel(
             tl.store(out, d.to(d_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n", "S"])
+@triton.jit
+def _emit_top(key, out_v, out_i, ok, V, K: tl.constexpr):
+    """Stores, per row of the int64 order keys ``key`` ``[R, W]`` (distinct within a row), the K
+    largest in descending order: values at ``out_v + t`` and ids at ``out_i + t`` (``[R]``
+    pointers, rows where ``ok``). Ids come from the keys; ids outside ``[0, V)`` (padding, whose
+    keys hold -inf) come out as -1. One reduction per pass."""
+    for t in tl.static_range(K):
+        best = tl.max(key, axis=1)
+        col = _key_col(best)
+        tl.store(out_v + t, _key_value(best), mask=ok)
+        tl.store(out_i + t, tl.where((col >= 0) & (col < V), col, -1).to(tl.int64), mask=ok)
+        key = tl.where(key == best[:, None], _KEY_MIN, key)
+
+
+@triton.jit(do_not_specialize=["n", "S", "V"])
 def _merge_topk_kernel(
     topv_ptr,
     topi_ptr,
@@ -494,6 +508,7 @@ def _merge_topk_kernel(
     out_i_ptr,
     n,
     S,
+    V,
     K: tl.constexpr,
     KP: tl.constexpr,
     W: tl.constexpr,
@@ -510,17 +525,61 @@ def _merge_topk_kernel(
     ids = tl.load(topi_ptr + at, mask=ok, other=-1)
     # A row's ids are distinct (each column lives in one split, once), so keys on (value, id)
     # are: equal values come out in ascending id, as from every other selection path. Empty
-    # slots (id -1) get distinct columns above every id.
+    # slots (id -1) get distinct columns past every id, which decode as empty again.
     col = tl.where(ids >= 0, ids, _BIG - W + c[None, :])
     key = tl.where(ok, _order_key(v, col), _KEY_MIN)
     out = rows.to(tl.int64) * K
+    _emit_top(key, out_v_ptr + out, out_i_ptr + out, rows < n, V, K)
+
+
+@triton.jit(do_not_specialize=["width", "stride_key"])
+def _chunk_topk_kernel(
+    key_ptr,
+    count_ptr,
+    out_ptr,
+    width,
+    stride_key,
+    K: tl.constexpr,
+    C: tl.constexpr,
+):
+    # Row r, columns c*C .. c*C+C of the logit keys: their K largest keys to out[r, c, :].
+    # Rows at or past the device-side count stop at once.
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    if r >= tl.load(count_ptr):
+        return
+    cols = c * C + tl.arange(0, C)
+    key = tl.load(key_ptr + r.to(tl.int64) * stride_key + cols, mask=cols < width, other=_KEY_MIN)
+    out = out_ptr + (r.to(tl.int64) * tl.num_programs(1) + c) * K
     for t in tl.static_range(K):
-        best = tl.max(key, axis=1)
-        hit = key == best[:, None]
-        best_id = tl.max(tl.where(hit, ids, -1), axis=1)
-        tl.store(out_v_ptr + out + t, _key_value(best), mask=rows < n)
-        tl.store(out_i_ptr + out + t, best_id.to(tl.int64), mask=rows < n)
-        key = tl.where(hit, _KEY_MIN, key)
+        best = tl.max(key, axis=0)
+        tl.store(out + t, best)
+        key = tl.where(key == best, _KEY_MIN, key)
+
+
+@triton.jit(do_not_specialize=["m", "V"])
+def _merge_keys_kernel(
+    cand_ptr,
+    count_ptr,
+    row_ptr,
+    out_v_ptr,
+    out_i_ptr,
+    m,
+    V,
+    K: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    R: tl.constexpr,
+):
+    # Rows j0..j0+R of the candidates [m, W] (int64 keys, W = chunks * K): their K largest as
+    # values and ids, written to output row row_ptr[j]. Rows at or past the count are left.
+    j = tl.program_id(0) * R + tl.arange(0, R)
+    j_ok = (j < m) & (j < tl.load(count_ptr))
+    c = tl.arange(0, WP)
+    ok = j_ok[:, None] & (c < W)[None, :]
+    key = tl.load(cand_ptr + j.to(tl.int64)[:, None] * W + c[None, :], mask=ok, other=_KEY_MIN)
+    dest = tl.load(row_ptr + j, mask=j_ok, other=0).to(tl.int64) * K
+    _emit_top(key, out_v_ptr + dest, out_i_ptr + dest, j_ok, V, K)
 
 
 @triton.jit(do_not_specialize=["n", "V", "H", "num_progs"])
@@ -768,20 +827,46 @@ def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d,
     )
 
 
-def merge_topk(top_v, top_i, k):
+def _rows_per_program(width: int) -> int:
+    # One warp per program: rows whose reductions stay in the warp, ~2048 keys in registers.
+    return max(1, min(16, 2048 // width))
+
+
+def merge_topk(top_v, top_i, k, vocab):
     """The k largest of the forward's per-split slots: fp32 ``[n, k]`` values (descending) and
     int64 ``[n, k]`` ids. ``top_v`` / ``top_i``: fp32 / int32 ``[S, n, KP]``, slots ``>= k`` unused,
-    a row's ids distinct, empty slots -inf with id -1; equal values come out in ascending id,
-    empty slots last. One program per ``R`` rows."""
+    a row's ids distinct and below ``vocab``, empty slots -inf with id -1; equal values come out
+    in ascending id, empty slots last (-inf, -1)."""
     splits, n, kp = top_v.shape
     values = torch.empty(n, k, dtype=torch.float32, device=top_v.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=top_v.device)
     width = _next_pow2(splits * k)
-    rows = max(1, min(16, 4096 // width))
+    rows = _rows_per_program(width)
     _merge_topk_kernel[(triton.cdiv(n, rows),)](
-        top_v, top_i, values, ids, n, splits, K=k, KP=kp, W=width, R=rows, num_warps=4
+        top_v, top_i, values, ids, n, splits, vocab, K=k, KP=kp, W=width, R=rows, num_warps=1
     )
     return values, ids
+
+
+def topk_of_keys(keys, count, k, vocab, rows, values, ids, chunk=2048):
+    """Into ``values`` / ``ids`` (fp32 / int64 ``[N, k]``) at rows ``rows[j]``: the k largest of
+    row ``j`` of the int64 order keys ``keys`` (``[m, width]``, from ``logit_keys``), decoded, for
+    ``j`` below the device-side one-element ``count``. Two launches, no host read: the k largest
+    of each ``chunk`` of columns, then of those."""
+    m, width = keys.shape
+    if m == 0:
+        return
+    chunk = min(chunk, _next_pow2(width))
+    chunks = triton.cdiv(width, chunk)
+    cand = torch.empty(m, chunks, k, dtype=torch.int64, device=keys.device)
+    _chunk_topk_kernel[(m, chunks)](
+        keys, count, cand, width, keys.stride(0), K=k, C=chunk, num_warps=1
+    )
+    w = chunks * k
+    per = _rows_per_program(_next_pow2(w))
+    _merge_keys_kernel[(triton.cdiv(m, per),)](
+        cand, count, rows, values, ids, m, vocab, K=k, W=w, WP=_next_pow2(w), R=per, num_warps=1
+    )
 
 
 def key_columns(vocab: int, cfg) -> int:
@@ -828,13 +913,3 @@ def logit_keys(hidden, weight, keys, cfg, slots, count=None):
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
     )
-
-
-def decode_keys(keys, vocab: int):
-    """fp32 values and int64 columns of int64 order keys (``_order_key``); keys of columns past
-    ``vocab`` (padding) decode to -inf and id -1."""
-    hi = (keys >> 32).to(torch.int32)
-    values = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).view(torch.float32)
-    ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
-    pad = ids >= vocab
-    return values.masked_fill(pad, float("-inf")), ids.masked_fill(pad, -1)

@@ -418,75 +418,86 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     _vocab_triton.launch_stats_fwd(
         hidden, weight, target, k, part, top_v, top_i, splits, cfg, grouped
     )
-    row_max, sum_exp, target_logit, values, ids, redo = _combine_splits(part, top_v, top_i, k)
+    row_max, sum_exp, target_logit, values, ids, redo = _combine_splits(
+        part, top_v, top_i, k, vocab
+    )
     if redo is not None:
         _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg)
     return row_max, sum_exp, target_logit, values, ids
 
 
-def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg):
+def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg) -> int:
     """Overwrites the top-k ``values`` / ``ids`` of the rows flagged in the bool ``[n]`` mask
-    ``redo`` with their exact top-k over every element (``_reselect``). One host read: how many
-    rows are flagged. Before it, the device already computes the logit keys of the first
-    ``cfg["reselect_ahead"]`` flagged rows (``nonzero_static``, a count kept on the device and a
-    kernel that stops at it: no host read), so the GPU works while the host waits and only the
-    small top-k of the keys follows."""
+    ``redo`` with their exact top-k over every element; returns how many rows that was.
+
+    One host read: that count. Everything for the first ``cfg["reselect_ahead"]`` flagged rows
+    is queued before it, with no host read (``nonzero_static``, a count kept on the device, and
+    kernels that stop at it: the logit keys, their top-k, written straight into the flagged
+    rows), so the GPU works while the host waits, and nothing is left to launch after the read
+    unless more rows were flagged (then ``_reselect`` takes them all).
+    """
     n, vocab = hidden.shape[0], weight.shape[0]
     width = _vocab_triton.key_columns(vocab, cfg)
     ahead = min(n, int(cfg.get("reselect_ahead", 0)), _RESELECT_BYTES // (8 * width))
     if ahead:
         first = torch.nonzero_static(redo, size=ahead, fill_value=0).squeeze(1)
         count = redo.sum(dtype=torch.int32).reshape(1)
-        rows = hidden.index_select(0, first)
         keys = torch.empty(ahead, width, dtype=torch.int64, device=hidden.device)
-        _vocab_triton.logit_keys(rows, weight, keys, cfg, slots, count)
+        rows = hidden.index_select(0, first)
+        _vocab_triton.logit_keys(rows, weight, keys, _keys_tile(cfg), slots, count)
+        _vocab_triton.topk_of_keys(keys, count, k, vocab, first, values, ids)
         m = int(count.item())
         if m <= ahead:
-            if m:
-                exact_v, exact_i = _reselect(rows[:m], weight, k, slots, keys[:m])
-                values.index_copy_(0, first[:m], exact_v)
-                ids.index_copy_(0, first[:m], exact_i)
-            return
+            return m
     which = redo.nonzero().squeeze(1)
     if which.numel():
         exact_v, exact_i = _reselect(hidden.index_select(0, which), weight, k, slots)
         values.index_copy_(0, which, exact_v)
         ids.index_copy_(0, which, exact_i)
+    return which.numel()
 
 
-def _reselect(hidden, weight, k, slots, keys=None):
+def _keys_tile(cfg):
+    """The logit-keys kernel's tile: the forward's with one warpgroup on 64 rows (few rows to
+    compute; each warpgroup of the forward's 128-row tile runs the same wgmma instructions on
+    its 64 rows, so the logits keep their bits)."""
+    if cfg["BM"] == 128 and cfg["warps"] == 8:
+        return dict(cfg, BM=64, warps=4)
+    return cfg
+
+
+def _reselect(hidden, weight, k, slots):
     """The exact top-k over every element of a few rows (the grouped selection's leftovers):
     fp32 ``[m, k]`` values and int64 ``[m, k]`` ids, as the every-element forward would give them.
 
     Up to ``_RESELECT_ROWS`` rows: the forward's tile code writes the logits' order keys
-    (``_vocab_triton.logit_keys``, at most ``_RESELECT_BYTES`` a chunk of rows; ``keys``: those
-    of all ``m`` rows, already written) and ``torch.topk`` picks the k largest. One pass over the
-    weight (the floor for a few rows) against the every-element kernel's ~20 selection passes per
-    split's first tiles: H200, 18 rows, see RESULTS.md "Session 6". More rows: the every-element
-    forward kernel.
+    (``_vocab_triton.logit_keys``, at most ``_RESELECT_BYTES`` a chunk of rows) and
+    ``_vocab_triton.topk_of_keys`` picks the k largest. One pass over the weight (the floor for a
+    few rows) against the every-element kernel's ~20 selection passes on each split's first
+    tiles (H200, 18 rows: RESULTS.md "Session 6"). More rows: the every-element forward kernel.
     """
     m, vocab = hidden.shape[0], weight.shape[0]
     cfg = _CONFIG["fwd_topk"]
-    if keys is not None:
-        # Keys are distinct: no ties for topk to order.
-        return _vocab_triton.decode_keys(keys.topk(k, dim=1).values, vocab)
     if m > _RESELECT_ROWS:
         out = _stats_kernel(hidden, weight, None, k, slots, False)
         return out[3], out[4]
+    dev = hidden.device
     width = _vocab_triton.key_columns(vocab, cfg)
     step = max(1, min(m, _RESELECT_BYTES // (8 * width)))
-    values = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
-    ids = torch.empty(m, k, dtype=torch.int64, device=hidden.device)
-    keys = torch.empty(step, width, dtype=torch.int64, device=hidden.device)
+    values = torch.empty(m, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(m, k, dtype=torch.int64, device=dev)
+    keys = torch.empty(step, width, dtype=torch.int64, device=dev)
     for r0 in range(0, m, step):
         r1 = min(r0 + step, m)
-        _vocab_triton.logit_keys(hidden[r0:r1], weight, keys[: r1 - r0], cfg, slots)
-        top = keys[: r1 - r0].topk(k, dim=1).values
-        values[r0:r1], ids[r0:r1] = _vocab_triton.decode_keys(top, vocab)
+        # A device-side count (a fill, not a copy from the host: no sync).
+        count = torch.full((1,), r1 - r0, dtype=torch.int32, device=dev)
+        _vocab_triton.logit_keys(hidden[r0:r1], weight, keys[: r1 - r0], _keys_tile(cfg), slots)
+        rows = torch.arange(r0, r1, device=dev)
+        _vocab_triton.topk_of_keys(keys[: r1 - r0], count, k, vocab, rows, values, ids)
     return values, ids
 
 
-def _combine_splits(part, top_v, top_i, k):
+def _combine_splits(part, top_v, top_i, k, vocab):
     """Merges the forward kernel's per-split results (a few torch ops and ``merge_topk``'s
     kernel, no host sync).
 
@@ -506,7 +517,7 @@ def _combine_splits(part, top_v, top_i, k):
         ids = torch.empty(n, 0, dtype=torch.int64, device=part.device)
         return row_max, sum_exp, target_logit, values, ids, None
     # torch.topk over the [n, S * KP] candidates took 0.4-0.9 ms (H200, n = 8,192-20,436).
-    values, ids = _vocab_triton.merge_topk(top_v, top_i, k)
+    values, ids = _vocab_triton.merge_topk(top_v, top_i, k, vocab)
     # ">=": a value tied with the k-th may precede it (lower column) and was left out.
     redo = part[:, 3].amax(dim=0) >= values[:, k - 1] if part.shape[1] > 3 else None
     return row_max, sum_exp, target_logit, values, ids, redo
