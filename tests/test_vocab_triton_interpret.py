@@ -141,16 +141,20 @@ assert torch.all(every[3][:, 11:] == float("-inf"))
 # Flagged rows overwritten in place: with their keys computed ahead of the host's count (all of
 # them, or fewer than flagged: then all after it), or none ahead; no flagged row: nothing.
 every = vo._stats_kernel(h, w, None, 12, slots=3, grouped=False)
-for flagged in ([0, 4, 9, 20], []):
+# The values passed in hold the grouped selection's, whose k-th is a floor for the exact k-th:
+# tight (equal to it) or loose.
+for flagged, slack in (([0, 4, 9, 20], 0.0), ([1, 2, 3, 4, 5, 6, 7], 30.0), ([], 0.0)):
     mask = torch.zeros(21, dtype=torch.bool)
     mask[flagged] = True
     for ahead in (0, 2, 4, 128):
         vo.set_kernel_config("fwd_topk", reselect_ahead=ahead)
         v, i = torch.zeros(21, 12), torch.zeros(21, 12, dtype=torch.long)
+        v[:, 11] = every[3][:, 11] - slack
+        before = v.clone()
         with reselected_rows(vo) as redone:
             vo._reselect_into(h, w, mask, v, i, 12, 3, vo.kernel_config("fwd_topk"))
         assert torch.equal(v[mask], every[3][mask]) and torch.equal(i[mask], every[4][mask])
-        assert not v[~mask].any() and not i[~mask].any()
+        assert torch.equal(v[~mask], before[~mask]) and not i[~mask].any()
         assert redone == ([len(flagged)] if flagged else []), (ahead, redone)
 print("interpreter ok")
 """

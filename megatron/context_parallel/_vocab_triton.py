@@ -491,11 +491,11 @@ def _emit_top(key, out_v, out_i, ok, V, K: tl.constexpr):
     """Stores, per row of the int64 order keys ``key`` ``[R, W]`` (distinct within a row), the K
     largest in descending order: values at ``out_v + t`` and ids at ``out_i + t`` (``[R]``
     pointers, rows where ``ok``). Ids come from the keys; ids outside ``[0, V)`` (padding, whose
-    keys hold -inf) come out as -1. One reduction per pass."""
+    keys hold -inf) and rows short of K keys come out as -inf and -1. One reduction per pass."""
     for t in tl.static_range(K):
         best = tl.max(key, axis=1)
         col = _key_col(best)
-        tl.store(out_v + t, _key_value(best), mask=ok)
+        tl.store(out_v + t, tl.where(best > _KEY_MIN, _key_value(best), float("-inf")), mask=ok)
         tl.store(out_i + t, tl.where((col >= 0) & (col < V), col, -1).to(tl.int64), mask=ok)
         key = tl.where(key == best[:, None], _KEY_MIN, key)
 
@@ -532,54 +532,67 @@ def _merge_topk_kernel(
     _emit_top(key, out_v_ptr + out, out_i_ptr + out, rows < n, V, K)
 
 
-@triton.jit(do_not_specialize=["width", "stride_key"])
+@triton.jit(do_not_specialize=["width", "stride_key", "stride_floor"])
 def _chunk_topk_kernel(
     key_ptr,
     count_ptr,
+    floor_ptr,
+    row_ptr,
     out_ptr,
     width,
     stride_key,
+    stride_floor,
     K: tl.constexpr,
+    KP: tl.constexpr,
     C: tl.constexpr,
+    HAS_FLOOR: tl.constexpr,
 ):
-    # Row r, columns c*C .. c*C+C of the logit keys: their K largest keys to out[r, c, :].
-    # Rows at or past the device-side count stop at once.
+    # Row r, columns c*C .. c*C+C of the logit keys: their K largest keys to out[r, c, :] (the
+    # rest of the K slots: KEY_MIN). Rows at or past the device-side count stop at once.
     r = tl.program_id(0)
     c = tl.program_id(1)
     if r >= tl.load(count_ptr):
         return
     cols = c * C + tl.arange(0, C)
     key = tl.load(key_ptr + r.to(tl.int64) * stride_key + cols, mask=cols < width, other=_KEY_MIN)
-    out = out_ptr + (r.to(tl.int64) * tl.num_programs(1) + c) * K
-    for t in tl.static_range(K):
+    if HAS_FLOOR:
+        # A value the row's k-th largest is known to reach (output row row_ptr[r]): nothing
+        # below it is in the top k, so a chunk needs a pass per key at or above it (~1-2).
+        fb = tl.load(floor_ptr + tl.load(row_ptr + r) * stride_floor).to(tl.int32, bitcast=True)
+        low = (fb ^ ((fb >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32
+        key = tl.where(key >= low, key, _KEY_MIN)
+    passes = tl.minimum(tl.sum((key > _KEY_MIN).to(tl.int32), axis=0), K)
+    slot = tl.arange(0, KP)
+    picks = tl.full((KP,), _KEY_MIN, tl.int64)
+    for t in range(passes):
         best = tl.max(key, axis=0)
-        tl.store(out + t, best)
+        picks = tl.where(slot == t, best, picks)
         key = tl.where(key == best, _KEY_MIN, key)
+    out = out_ptr + (r.to(tl.int64) * tl.num_programs(1) + c) * K
+    tl.store(out + slot, picks, mask=slot < K)
 
 
-@triton.jit(do_not_specialize=["m", "V"])
+@triton.jit(do_not_specialize=["V"])
 def _merge_keys_kernel(
     cand_ptr,
     count_ptr,
     row_ptr,
     out_v_ptr,
     out_i_ptr,
-    m,
     V,
     K: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
-    R: tl.constexpr,
 ):
-    # Rows j0..j0+R of the candidates [m, W] (int64 keys, W = chunks * K): their K largest as
-    # values and ids, written to output row row_ptr[j]. Rows at or past the count are left.
-    j = tl.program_id(0) * R + tl.arange(0, R)
-    j_ok = (j < m) & (j < tl.load(count_ptr))
+    # Row j of the candidates [m, W] (int64 keys, W = chunks * K): its K largest as values and
+    # ids, written to output row row_ptr[j]. Rows at or past the device-side count stop at once.
+    j = tl.program_id(0)
+    if j >= tl.load(count_ptr):
+        return
     c = tl.arange(0, WP)
-    ok = j_ok[:, None] & (c < W)[None, :]
-    key = tl.load(cand_ptr + j.to(tl.int64)[:, None] * W + c[None, :], mask=ok, other=_KEY_MIN)
-    dest = tl.load(row_ptr + j, mask=j_ok, other=0).to(tl.int64) * K
-    _emit_top(key, out_v_ptr + dest, out_i_ptr + dest, j_ok, V, K)
+    key = tl.load(cand_ptr + j.to(tl.int64) * W + c, mask=c < W, other=_KEY_MIN)
+    dest = tl.load(row_ptr + j).to(tl.int64) * K + tl.zeros((1,), tl.int64)
+    _emit_top(key[None, :], out_v_ptr + dest, out_i_ptr + dest, dest >= 0, V, K)
 
 
 @triton.jit(do_not_specialize=["n", "V", "H", "num_progs"])
@@ -827,9 +840,12 @@ def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d,
     )
 
 
-def _rows_per_program(width: int) -> int:
-    # One warp per program: rows whose reductions stay in the warp, ~2048 keys in registers.
-    return max(1, min(16, 2048 // width))
+def _selection_shape(width: int):
+    """Rows per program and warps for a K-pass selection over ``width`` keys a row: ~8 keys a
+    thread (the passes' cost is keys times passes; fewer keys a thread ran faster on the H200:
+    RESULTS.md "Session 6")."""
+    warps = max(1, min(8, width // 256))
+    return max(1, 256 * warps // width), warps
 
 
 def merge_topk(top_v, top_i, k, vocab):
@@ -841,18 +857,20 @@ def merge_topk(top_v, top_i, k, vocab):
     values = torch.empty(n, k, dtype=torch.float32, device=top_v.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=top_v.device)
     width = _next_pow2(splits * k)
-    rows = _rows_per_program(width)
+    rows, warps = _selection_shape(width)
     _merge_topk_kernel[(triton.cdiv(n, rows),)](
-        top_v, top_i, values, ids, n, splits, vocab, K=k, KP=kp, W=width, R=rows, num_warps=1
+        top_v, top_i, values, ids, n, splits, vocab, K=k, KP=kp, W=width, R=rows, num_warps=warps
     )
     return values, ids
 
 
-def topk_of_keys(keys, count, k, vocab, rows, values, ids, chunk=2048):
+def topk_of_keys(keys, count, k, vocab, rows, values, ids, floor=None, chunk=1024):
     """Into ``values`` / ``ids`` (fp32 / int64 ``[N, k]``) at rows ``rows[j]``: the k largest of
     row ``j`` of the int64 order keys ``keys`` (``[m, width]``, from ``logit_keys``), decoded, for
-    ``j`` below the device-side one-element ``count``. Two launches, no host read: the k largest
-    of each ``chunk`` of columns, then of those."""
+    ``j`` below the device-side one-element ``count``. ``floor`` (fp32, indexed by output row, any
+    stride): a value each row's k-th largest is known to reach (k of its logits are at least
+    that), which spares most passes. Two launches, no host read: the k largest of each ``chunk``
+    of columns, then of those."""
     m, width = keys.shape
     if m == 0:
         return
@@ -860,12 +878,32 @@ def topk_of_keys(keys, count, k, vocab, rows, values, ids, chunk=2048):
     chunks = triton.cdiv(width, chunk)
     cand = torch.empty(m, chunks, k, dtype=torch.int64, device=keys.device)
     _chunk_topk_kernel[(m, chunks)](
-        keys, count, cand, width, keys.stride(0), K=k, C=chunk, num_warps=1
+        keys,
+        count,
+        floor if floor is not None else keys,
+        rows,
+        cand,
+        width,
+        keys.stride(0),
+        floor.stride(0) if floor is not None else 0,
+        K=k,
+        KP=_next_pow2(k),
+        C=chunk,
+        HAS_FLOOR=floor is not None,
+        num_warps=1,
     )
     w = chunks * k
-    per = _rows_per_program(_next_pow2(w))
-    _merge_keys_kernel[(triton.cdiv(m, per),)](
-        cand, count, rows, values, ids, m, vocab, K=k, W=w, WP=_next_pow2(w), R=per, num_warps=1
+    _merge_keys_kernel[(m,)](
+        cand,
+        count,
+        rows,
+        values,
+        ids,
+        vocab,
+        K=k,
+        W=w,
+        WP=_next_pow2(w),
+        num_warps=_selection_shape(_next_pow2(w))[1],
     )
 
 

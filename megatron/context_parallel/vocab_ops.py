@@ -445,7 +445,9 @@ def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg) -> int:
         keys = torch.empty(ahead, width, dtype=torch.int64, device=hidden.device)
         rows = hidden.index_select(0, first)
         _vocab_triton.logit_keys(rows, weight, keys, _keys_tile(cfg), slots, count)
-        _vocab_triton.topk_of_keys(keys, count, k, vocab, first, values, ids)
+        # The grouped selection's k-th value is a floor for the exact one: k logits reach it.
+        floor = values[:, k - 1]
+        _vocab_triton.topk_of_keys(keys, count, k, vocab, first, values, ids, floor)
         m = int(count.item())
         if m <= ahead:
             return m
