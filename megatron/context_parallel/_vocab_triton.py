@@ -1,7 +1,9 @@
 """Triton kernels of the vocab-parallel head (used by ``vocab_ops``; not a public module).
 
-Two kernels, both a ``hidden @ weight.T`` matmul with fp32 accumulation whose logits stay in
-registers:
+Two main kernels, both a ``hidden @ weight.T`` matmul with fp32 accumulation whose logits stay
+in registers, and small ones for the top-k (``_merge_topk_kernel`` merges the forward's splits;
+``_logit_keys_kernel``, ``_chunk_topk_kernel`` and ``_merge_keys_kernel`` select again, exactly,
+the few rows the grouped selection could have got wrong, from their logits' order keys):
 
 * ``_stats_fwd_kernel``: each program owns a block of ``BM`` rows and a contiguous range of
   vocabulary tiles (a "split"). Per tile it runs the K loop, then folds the fp32 tile into running
@@ -29,13 +31,14 @@ Two ways to choose the candidates:
   holds in the accumulator layout, so each group's two largest come from in-thread reductions.
   Only those are offered (``2 G`` per row and tile), with slots and candidates as int64 order
   keys (value, then column), so a pass is two reductions. The largest logit never offered is
-  kept per row; the host selects again, over every element, the rows where it reaches the k-th
-  value (otherwise the result is exact). With ``PASSES = P`` every tile gets exactly P passes,
-  unrolled, and the largest candidate above the threshold that they did not reach joins that
-  check: a row only loses something when one tile holds more than P of its top k. Without an
-  inner loop of data-dependent length (or a data-dependent branch) Triton fuses the flattened
-  tile loop and loads the next tile's operands during this tile's epilogue (H200, k = 20, P = 3:
-  kernel 1.16-1.18 GEMMs against 1.24-1.32 with as many passes as needed, plain loop).
+  kept per row; the rows where it reaches the k-th value are selected again over every
+  element (``vocab_ops._reselect_into``; otherwise the result is exact). With ``PASSES = P``
+  every tile gets exactly P passes, unrolled, and the largest candidate above the threshold
+  that they did not reach joins that check: a row only loses something when one tile holds
+  more than P of its top k. Without an inner loop of data-dependent length (or a
+  data-dependent branch) Triton fuses the flattened tile loop and loads the next tile's
+  operands during this tile's epilogue (H200, k = 20, P = 3: kernel 1.16-1.19 GEMMs against
+  1.24-1.32 with as many passes as needed, plain loop).
 
 Works with Triton 3.6 and 3.8 (plain pointer loads; no tensor descriptors), and under
 ``TRITON_INTERPRET=1`` on CPU tensors for small shapes.

@@ -51,10 +51,12 @@ Paths:
       the input dtype, then cuBLAS forms the slice's ``grad_weight`` rows (one GEMM, K = n) and
       adds its ``grad_hidden`` share into the fp32 accumulator. Everything runs on the current
       stream without host syncs, so CUDA graphs capture it, except one: with ``k > 0`` the
-      forward's top-k is taken over grouped candidates and the host reads how many rows need
-      selecting again over every element (random logits, k = 20: 0.01-0.1% of rows). Under a
-      CUDA graph capture the forward selects over every element instead (exact, no host read,
-      slower); ``set_kernel_config("fwd_topk", grouped=False)`` does so always.
+      forward's top-k is taken over grouped candidates, the rows where that could miss
+      something (random logits, k = 20: 0.01-0.1% of rows) are selected again from their
+      logits' order keys, all queued on the device, and the host then reads how many rows that
+      was (more than ``reselect_ahead``: those are redone after the read). Under a CUDA graph
+      capture the forward selects over every element instead (exact, no host read, slower);
+      ``set_kernel_config("fwd_topk", grouped=False)`` does so always.
     * CUDA fallback: ``k > 64`` in the forward (the kernel keeps the running top-k in
       registers) runs the torch path on the GPU, on cuBLAS logits with fp32 output, in chunks of
       rows; so does everything when Triton cannot be imported (one warning).
