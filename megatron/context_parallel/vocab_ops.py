@@ -404,7 +404,7 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     tile, or with a fixed number of passes per tile, one they did not reach) is at or above the
     row's k-th value: the kernel reports the largest one per row, and those rows (random logits,
     k = 20, H200: 0.010% at 151,936 columns, 0.09% at 37,984) are selected again over every
-    element by ``_reselect``.
+    element by ``_reselect_into``.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     cfg = _CONFIG["fwd_topk" if k else "fwd"]
