@@ -368,3 +368,18 @@ def test_slice_width_is_balanced_and_bounded():
     assert slices * width - 151936 < 256 * slices
     assert vocab_ops._slice_width(100, 37984, 0, 2, 256) == 37984
     assert vocab_ops._slice_width(100, 50, 7, 2, 256) == 7
+
+
+@pytest.mark.skipif(vocab_ops._vocab_triton is None, reason="needs Triton")
+def test_split_model_follows_config_changes(monkeypatch):
+    # The split count is memoised on the config values it reads: a change must reach it.
+    monkeypatch.setitem(vocab_ops._CONFIG, "fwd", vocab_ops.kernel_config("fwd"))
+    before = vocab_ops.forward_splits(20436, 151936, 0, 132)
+    assert vocab_ops.forward_splits(20436, 151936, 0, 132) == before
+    vocab_ops.set_kernel_config("fwd", BN=128)
+    assert (before, vocab_ops.forward_splits(20436, 151936, 0, 132)) == (9, 14)
+    vocab_ops.set_kernel_config("fwd", splits=5)
+    assert vocab_ops.forward_splits(20436, 151936, 0, 132) == 5
+    # Few row blocks may use more splits than the default cap of 64.
+    vocab_ops.set_kernel_config("fwd", splits=None, BN=256)
+    assert vocab_ops.forward_splits(100, 151936, 0, 132) > 64
