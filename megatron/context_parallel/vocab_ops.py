@@ -436,7 +436,7 @@ def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg) -> int:
     is queued before it, with no host read (``nonzero_static``, a count kept on the device, and
     kernels that stop at it: the logit keys, their top-k, written straight into the flagged
     rows), so the GPU works while the host waits, and nothing is left to launch after the read
-    unless more rows were flagged (then ``_reselect`` takes them all).
+    unless more rows were flagged (then ``_reselect`` takes the rest).
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     width = _vocab_triton.key_columns(vocab, cfg)
@@ -454,10 +454,12 @@ def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg) -> int:
         if m <= ahead:
             return m
     which = redo.nonzero().squeeze(1)
-    if which.numel():
-        exact_v, exact_i = _reselect(hidden.index_select(0, which), weight, k, slots)
-        values.index_copy_(0, which, exact_v)
-        ids.index_copy_(0, which, exact_i)
+    # Ascending, like nonzero_static: the first `ahead` flagged rows are already written.
+    rest = which[ahead:]
+    if rest.numel():
+        exact_v, exact_i = _reselect(hidden.index_select(0, rest), weight, k, slots)
+        values.index_copy_(0, rest, exact_v)
+        ids.index_copy_(0, rest, exact_i)
     return which.numel()
 
 
