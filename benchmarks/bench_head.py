@@ -14,8 +14,13 @@ TP-4 shard computed as one rank would), side by side in one run:
 Labels: uniform, every 7th -100 (ignored). Loss for forward+backward: ``sum(u * logprob)`` with
 random ``u`` (``ours+top20`` adds ``sum(U * top_logprob)``). Reported: median forward and
 forward+backward ms (CUDA events, after warm-up; every method and the unit GEMM
-``hidden @ weight.T`` timed in turns), in GEMMs (per round the method's time over that round's
-GEMM, median over rounds: drift in clocks between rounds cancels), extra peak memory
+``hidden @ weight.T`` timed in turns, each call from an idle GPU), in GEMMs (per round the
+method's time over that round's GEMM, median over rounds: drift in clocks between rounds
+cancels) twice: "idle", each call timed from an idle GPU (the host's Python and launch time
+before its first kernel counts), and "queued", the same rounds again with the GPU spinning
+``--lead-ms`` (2 ms) before each start event so that the call's launches queue up while it does,
+as in a training step where the host runs ahead (GPU time; host time after a host read inside a
+call still counts; the GEMM gets the same lead), extra peak memory
 (``max_memory_allocated`` minus what was allocated before, minus the kept outputs: log-probs, and
 the two gradients in forward+backward), the max log-prob error against fp32 and fp64 references
 (valid labels only), and the gradients' relative error ``||g - g64|| / ||g64||`` for dH and dW
@@ -62,8 +67,33 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn, device, reps, warmup):
-    """Median milliseconds of ``fn()`` (CUDA events on GPU, wall clock on CPU)."""
+_SLEEP_CYCLES_PER_MS = None
+
+
+def _lead(device, ms):
+    """Queues ``ms`` milliseconds of GPU spinning (``torch.cuda._sleep``, calibrated once) so the
+    host's launch work for what comes next overlaps it."""
+    global _SLEEP_CYCLES_PER_MS
+    if _SLEEP_CYCLES_PER_MS is None:
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS = cycles / start.elapsed_time(end)
+    torch.cuda._sleep(int(ms * _SLEEP_CYCLES_PER_MS))
+
+
+def time_ms(fn, device, reps, warmup, lead_ms=0.0):
+    """Median milliseconds of ``fn()`` (CUDA events on GPU, wall clock on CPU).
+
+    ``lead_ms`` (GPU): the GPU spins that long before the start event, so the call's launches
+    (Python, the launchers) are queued while it does, as in a training step where the host runs
+    ahead: the time is then the GPU's from the start event, with no wait for the host's first
+    launch; host time after a host read inside ``fn`` still counts. 0: timed from an idle GPU,
+    so host time before the first launch counts too."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -71,6 +101,8 @@ def time_ms(fn, device, reps, warmup):
     for _ in range(reps):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if lead_ms:
+                _lead(device, lead_ms)
             start.record()
             fn()
             end.record()
@@ -527,10 +559,11 @@ def sweep(inputs, device, reps, lines, kernels=("fwd", "fwd_topk", "promote", "b
 # --- one shape -----------------------------------------------------------------------------------
 
 
-def time_round_robin(fns, device, reps, warmup, unit=None):
+def time_round_robin(fns, device, reps, warmup, unit=None, lead_ms=0.0):
     """Median ms of each ``fns[name]()``, timed in turns (every round runs each once), so that
     clocks and temperature drift alike for all of them. With ``unit`` (a name in ``fns``) also
-    returns, per name, the median over rounds of its time over ``unit``'s in the same round."""
+    returns, per name, the median over rounds of its time over ``unit``'s in the same round.
+    ``lead_ms``: see ``time_ms`` (the unit gets the same lead)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -538,7 +571,7 @@ def time_round_robin(fns, device, reps, warmup, unit=None):
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            times[name].append(time_ms(fn, device, 1, 0))
+            times[name].append(time_ms(fn, device, 1, 0, lead_ms))
     medians = {name: statistics.median(t) for name, t in times.items()}
     if unit is None:
         return medians
@@ -548,7 +581,7 @@ def time_round_robin(fns, device, reps, warmup, unit=None):
     return medians, ratios
 
 
-def bench_shape(n, vocab, width, methods, device, reps, warmup, with_refs=True):
+def bench_shape(n, vocab, width, methods, device, reps, warmup, with_refs=True, lead_ms=2.0):
     gen = torch.Generator(device=device).manual_seed(n * 7 + vocab)
     hidden = torch.randn(n, width, device=device, generator=gen).to(torch.bfloat16)
     weight = (torch.randn(vocab, width, device=device, generator=gen) * (2.0 / width**0.5)).to(
@@ -610,13 +643,20 @@ def bench_shape(n, vocab, width, methods, device, reps, warmup, with_refs=True):
     # GEMMs: per round, the method's time over the GEMM's in that round; median over rounds.
     fwd_ms, fwd_x = time_round_robin({"gemm": gemm, **fwds}, device, reps, warmup, "gemm")
     train_ms, train_x = time_round_robin({"gemm": gemm, **trains}, device, reps, warmup, "gemm")
+    # The same with the GPU busy before each call (host launch time hidden): see time_ms.
+    queued = lead_ms if device.type == "cuda" else 0.0
+    fwd_q = time_round_robin({"gemm": gemm, **fwds}, device, reps, 0, "gemm", queued)[1]
+    train_q = time_round_robin({"gemm": gemm, **trains}, device, reps, 0, "gemm", queued)[1]
     results["gemm_ms"] = fwd_ms["gemm"]
     results["gemm_train_round_ms"] = train_ms["gemm"]
+    results["lead_ms"] = queued
     for name in fwds:
         row = results["methods"][name]
         row["fwd_ms"], row["train_ms"] = fwd_ms[name], train_ms[name]
         row["fwd_gemms"] = fwd_x[name]
         row["train_gemms"] = train_x[name]
+        row["fwd_gemms_queued"] = fwd_q[name]
+        row["train_gemms_queued"] = train_q[name]
         row["fwd_gib"] = extra_peak_gib(fwds[name], device)
         row["train_gib"] = extra_peak_gib(trains[name], device)
         if device.type == "cuda":
@@ -635,15 +675,16 @@ def _fmt(x, spec):
 
 def markdown(all_results):
     lines = [
-        "| N | V | method | fwd ms | fwd GEMMs | fwd+bwd ms | fwd+bwd GEMMs | extra GiB fwd / "
-        "fwd+bwd | lp err vs fp32 / fp64 | dH err (x naive) | dW err (x naive) |",
+        "| N | V | method | fwd ms | fwd GEMMs idle / queued | fwd+bwd ms | fwd+bwd GEMMs idle / "
+        "queued | extra GiB fwd / fwd+bwd | lp err vs fp32 / fp64 | dH err (x naive) | dW err "
+        "(x naive) |",
         "|---:|---:|---|---:|---:|---:|---:|---|---|---|---|",
     ]
     for res in all_results:
         g = res["gemm_ms"]
         gt = res.get("gemm_train_round_ms", g)
         lines.append(
-            f"| {res['N']} | {res['V']} | GEMM | {g:.2f} | 1.000 | {gt:.2f} | 1.000 | | | | |"
+            f"| {res['N']} | {res['V']} | GEMM | {g:.2f} | 1.000 | {gt:.2f} | 1.000 " "| | | | |"
         )
         for name, r in res["methods"].items():
             if "error" in r:
@@ -656,8 +697,10 @@ def markdown(all_results):
                     f" ({r['top_ids_clear']} clear)"
                 )
             lines.append(
-                f"| {res['N']} | {res['V']} | {name} | {r['fwd_ms']:.2f} | {r['fwd_gemms']:.3f} "
-                f"| {r['train_ms']:.2f} | {r['train_gemms']:.3f} "
+                f"| {res['N']} | {res['V']} | {name} | {r['fwd_ms']:.2f} "
+                f"| {r['fwd_gemms']:.3f} / {_fmt(r.get('fwd_gemms_queued'), '.3f')} "
+                f"| {r['train_ms']:.2f} "
+                f"| {r['train_gemms']:.3f} / {_fmt(r.get('train_gemms_queued'), '.3f')} "
                 f"| {_fmt(r.get('fwd_gib'), '.2f')} / {_fmt(r.get('train_gib'), '.2f')} "
                 f"| {_fmt(r.get('lp_err32'), '.1e')} / {_fmt(r.get('lp_err64'), '.1e')}{top} "
                 f"| {_fmt(r.get('dh_err'), '.2e')} ({_fmt(r.get('dh_vs_naive'), '.2f')}) "
@@ -710,6 +753,9 @@ def main(argv=None):
         help="which sweeps to run (comma separated)",
     )
     parser.add_argument("--no-refs", action="store_true", help="skip the error references")
+    parser.add_argument(
+        "--lead-ms", type=float, default=2.0, help="GPU lead of the queued timings (ms)"
+    )
     parser.add_argument(
         "--probe", action="store_true", help="check cuBLAS fp32-output entry points"
     )
@@ -770,7 +816,15 @@ def main(argv=None):
     for n, vocab in shapes:
         t0 = time.time()
         res = bench_shape(
-            n, vocab, args.hidden, methods, device, args.reps, args.warmup, not args.no_refs
+            n,
+            vocab,
+            args.hidden,
+            methods,
+            device,
+            args.reps,
+            args.warmup,
+            not args.no_refs,
+            args.lead_ms,
         )
         all_results.append(res)
         print(f"shape {n}x{vocab}: {time.time() - t0:.1f} s", flush=True)

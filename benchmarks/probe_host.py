@@ -1,0 +1,175 @@
+"""Where the head forward's host time goes (diagnostic, GPU).
+
+``bench_head.py``'s "idle" columns time each call from an idle GPU, so Python that runs before the
+forward kernel's launch is GPU time lost. Per shape and k this prints, for calls of the one-shard
+composition (``_vocab_ref.shard_logprobs``, what ``bench_head.py`` times) made right after a
+synchronisation (as the benchmark makes them: "cold") while the GPU is still busy with earlier
+work:
+
+* ``to launch``: microseconds from the call to the forward kernel's launch;
+* ``launch``: the Triton launch itself (argument binding, descriptors, the driver call);
+* ``after``: from the launch's return to the call's return (k > 0: includes the wait for the GPU
+  at the host read, so only k = 0's is pure host time);
+
+then the pieces alone, back to back ("warm") and each right after a synchronisation ("cold"), in
+microseconds per call, and a cProfile of cold k = 0 calls sorted by own time.
+
+    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--calls 100]
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "tests")
+from _vocab_ref import IGNORE, shard_logprobs  # noqa: E402
+
+from megatron.context_parallel import _vocab_triton, vocab_ops  # noqa: E402
+
+dev = torch.device("cuda")
+_STAMPS = []
+
+
+class _StampedKernel:
+    """Stands in for ``_stats_fwd_kernel``: records host time around each launch."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = launch(*args, **kwargs)
+            _STAMPS.append((t0, time.perf_counter()))
+            return out
+
+        return run
+
+
+def busy(ms=30.0):
+    """Keeps the GPU busy for about ``ms`` so the host runs ahead of it."""
+    torch.cuda._sleep(int(ms * 1.9e6))
+
+
+def warm_us(fn, calls):
+    """Microseconds per call, back to back (the GPU kept busy)."""
+    busy(max(5.0, calls * 0.3))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    out = (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    return out
+
+
+def cold_us(fn, reps=15):
+    """Median microseconds of one call made right after a synchronisation (the GPU kept busy)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        busy(20)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def stamps(fn, reps=15):
+    """Median (to launch, launch, after) microseconds of cold calls of ``fn``."""
+    real = _vocab_triton._stats_fwd_kernel
+    _vocab_triton._stats_fwd_kernel = _StampedKernel(real)
+    rows = []
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            busy()
+            _STAMPS.clear()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            a, b = _STAMPS[0]
+            rows.append(((a - t0) * 1e6, (b - a) * 1e6, (t1 - b) * 1e6))
+    finally:
+        _vocab_triton._stats_fwd_kernel = real
+    torch.cuda.synchronize()
+    return [statistics.median(col) for col in zip(*rows)]
+
+
+def cold_profile(fn, calls=15, lines=40):
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        busy(20)
+        prof.enable()
+        fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return "\n".join(text.getvalue().splitlines()[:lines])
+
+
+def probe(n, vocab, calls, profile):
+    gen = torch.Generator(device=dev).manual_seed(0)
+    slots = vocab_ops._sm_count(dev)
+    h = torch.randn(n, 5120, device=dev, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(vocab, 5120, device=dev, generator=gen) * 2 / 5120**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device=dev, generator=gen)
+    labels[::7] = IGNORE
+    print(f"\n{n} x {vocab}")
+    for k in (0, 20):
+        shard_logprobs(h, w, labels, k)
+        torch.cuda.synchronize()
+        to_launch, launch, after = stamps(lambda: shard_logprobs(h, w, labels, k))  # noqa: B023
+        print(
+            f"k={k:2d}: to launch {to_launch:7.1f} us, launch {launch:7.1f} us, "
+            f"after {after:8.1f} us"
+        )
+    cfg = vocab_ops.kernel_config("fwd")
+    splits = vocab_ops.forward_splits(n, vocab, 0, slots)
+    part = torch.empty(splits, 3, n, device=dev)
+    tv = torch.empty(splits, n, 0, device=dev)
+    ti = torch.empty(splits, n, 0, device=dev, dtype=torch.int32)
+    pieces = {
+        "launch_stats_fwd (k=0)": lambda: _vocab_triton.launch_stats_fwd(
+            h, w, labels, 0, part, tv, ti, splits, cfg, False
+        ),
+        "_descriptors": lambda: _vocab_triton._descriptors(h, w, 128, 256, 64, True),
+        "torch.empty": lambda: torch.empty(splits, 3, n, device=dev),
+        "_stats_kernel (k=0)": lambda: vocab_ops._stats_kernel(h, w, labels, 0, slots),
+        "vocab_stats (k=0, op)": lambda: vocab_ops.vocab_stats(h, w, labels, 0),
+        "shard_logprobs (k=0)": lambda: shard_logprobs(h, w, labels, 0),
+        "GEMM h @ w.T": lambda: h @ w.t(),
+        "torch.add": lambda: labels + 1,
+    }
+    print(f"  {'piece':28s} {'warm us':>9s} {'cold us':>9s}")
+    for name, piece in pieces.items():
+        piece()
+        heavy = "stats" in name or "logprobs" in name or "GEMM" in name
+        warm = statistics.median(warm_us(piece, 20 if heavy else calls) for _ in range(3))
+        print(f"  {name:28s} {warm:9.1f} {cold_us(piece):9.1f}")
+    if profile:
+        print(cold_profile(lambda: shard_logprobs(h, w, labels, 0)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=100)
+    args = parser.parse_args()
+    for n, vocab in [(8192, 37984), (20436, 151936)]:
+        probe(n, vocab, args.calls, profile=n == 8192)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
