@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.context_parallel.vocab_ops import (
-    defers_topk,
-    finish_topk_,
-    vocab_stats_backward,
-    vocab_stats_deferred,
-)
+from megatron.context_parallel.vocab_ops import vocab_stats, vocab_stats_backward
 
 IGNORE = -100
 
@@ -64,26 +59,18 @@ class ShardLogprobs(torch.autograd.Function):
 
     Forward: ``m, s, t, v, ids = vocab_stats(...)``; ``lse = m + log(s)``; target log-prob
     ``t - lse`` (0.0 where the label is outside the shard, e.g. -100); top-k log-probs
-    ``v - lse``. Like the head, it takes the statistics from ``vocab_stats_deferred``, queues
-    the composition, then reads whether any top-k row is left to finish (and if so finishes it
-    and recomposes the top-k log-probs). Backward: the row's summed upstream gradient ``G``
-    reaches ``s`` as ``-G * exp(m - lse)``; the target and top-k gradients reach their logits
-    directly.
+    ``v - lse``. Backward: the row's summed upstream gradient ``G`` reaches ``s`` as
+    ``-G * exp(m - lse)``; the target and top-k gradients reach their logits directly.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, k, fwd_chunk, bwd_chunk):
         vocab = weight.shape[0]
-        m, s, t, v, ids, redo, left = vocab_stats_deferred(hidden, weight, labels, k, fwd_chunk)
+        m, s, t, v, ids = vocab_stats(hidden, weight, labels, k, fwd_chunk)
         lse = m + torch.log(s)
         valid = (labels >= 0) & (labels < vocab)
         target_lp = torch.where(valid, t - lse, 0.0)
         top_lp = v - lse[:, None]
-        if defers_topk(k, hidden.device):
-            left = int(left.item())
-            if left:
-                finish_topk_(hidden, weight, redo, left, v, ids)
-                top_lp = v - lse[:, None]
         ctx.mark_non_differentiable(ids)
         ctx.save_for_backward(hidden, weight, labels, valid, m, lse, ids)
         ctx.bwd_chunk = bwd_chunk

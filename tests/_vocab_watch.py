@@ -1,10 +1,9 @@
 """Watches which rows the forward's grouped top-k hands back for selection over every element.
 
 Shared by the CUDA tests, the interpreter test and ``benchmarks/bench_head.py``. It wraps the
-module's ``_reselect_queue``, so it depends on that internal name and signature on purpose:
-``_reselect_queue(hidden, weight, redo, values, ids, k, slots, cfg)`` returns ``(count,
-ahead)``, ``count`` an int32 ``[1]`` device tensor of how many rows it was given to select again
-(both the plain and the deferred forward call it once per re-selection).
+module's ``_reselect_into``, so it depends on that internal name and signature on purpose:
+``_reselect_into(hidden, weight, redo, values, ids, k, slots, cfg)`` returns how many rows it
+selected again.
 """
 
 from __future__ import annotations
@@ -15,20 +14,18 @@ import contextlib
 @contextlib.contextmanager
 def reselected_rows(vocab_ops):
     """Yields a list that collects, per forward call made inside the block, the number of rows
-    selected again over every element (one entry per re-selection with any row; filled when the
-    block exits, so that watching adds no host read inside it)."""
+    selected again over every element (one entry per re-selection)."""
     counts = []
-    pending = []
-    real = vocab_ops._reselect_queue
+    real = vocab_ops._reselect_into
 
     def watch(*args):
-        count, ahead = real(*args)
-        pending.append(count)
-        return count, ahead
+        m = real(*args)
+        if m:
+            counts.append(m)
+        return m
 
-    vocab_ops._reselect_queue = watch
+    vocab_ops._reselect_into = watch
     try:
         yield counts
     finally:
-        vocab_ops._reselect_queue = real
-        counts.extend(m for m in (int(c.item()) for c in pending) if m)
+        vocab_ops._reselect_into = real

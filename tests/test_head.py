@@ -317,52 +317,6 @@ def _case_tp2_cp2(rank, world_size, k, sequence_parallel, empty):
     )
 
 
-def _case_tp2_cp2_deferred_topk(rank, world_size):
-    """The head's deferred top-k check (the CUDA path's, driven here on CPU tensors): TP rank 0
-    reports two rows left to finish and hands back a wrong top-k for them, TP rank 1 none. Every
-    rank must read the gathered counts, rank 0 must finish its rows, and both must combine again
-    (a rank that did not would leave its TP peer waiting in the second all-gather): fields and
-    gradients are the reference's."""
-    from megatron.context_parallel import head, vocab_ops
-
-    g = _groups(rank)
-    tp_rank = dist.get_rank(g["tp2"])
-    real = (
-        vocab_ops.defers_topk,
-        vocab_ops.vocab_stats_deferred,
-        head._combine_over_tensor_parallel,
-    )
-    combines = []
-
-    def deferred(hidden, weight, target, k, chunk_size=None):
-        m, s, t, values, ids, redo, left = real[1](hidden, weight, target, k, chunk_size)
-        redo = torch.zeros_like(redo)
-        redo[::3] = True
-        if tp_rank == 0:
-            last = redo.nonzero().squeeze(1)[-2:]
-            values[last] = 0.0
-            ids[last] = 0
-            left = torch.tensor([2], dtype=torch.int32)
-        return m, s, t, values, ids, redo, left
-
-    def combine(*args):
-        combines.append(args[1] is not None)
-        return real[2](*args)
-
-    vocab_ops.defers_topk = lambda k, device: k > 0
-    vocab_ops.vocab_stats_deferred = deferred
-    head._combine_over_tensor_parallel = combine
-    try:
-        perm = _perm()
-        plan = ContextParallelPlan.from_rank_positions([perm[:14], perm[14:]], S)
-        _check_config("tp2xcp2-deferred", plan, g["cp2"], g["tp2"], _make_case(1), 5, chunk_size=4)
-    finally:
-        vocab_ops.defers_topk, vocab_ops.vocab_stats_deferred = real[0], real[1]
-        head._combine_over_tensor_parallel = real[2]
-    # Once with the count riding along, once more after rank 0's rows were finished.
-    assert combines == [True, False], combines
-
-
 def _case_local_logits(rank, world_size):
     """gather_logits=False: megatron's own [n_r, V/TP] shard, no copy."""
     g = _groups(rank)
@@ -523,10 +477,6 @@ def test_tp1_cp3_middle_rank_empty(pool):
 )
 def test_tp2_cp2(pool, k, sequence_parallel, empty):
     pool.run(_case_tp2_cp2, k, sequence_parallel, empty)
-
-
-def test_tp2_cp2_deferred_topk_finishes_and_recombines_on_every_rank(pool):
-    pool.run(_case_tp2_cp2_deferred_topk)
 
 
 def test_tp2_cp2_rank_local_logits(pool):

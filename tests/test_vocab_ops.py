@@ -320,11 +320,6 @@ def test_opcheck():
     ops = torch.ops.megatron_cp
     torch.library.opcheck(ops.vocab_stats.default, (hidden, weight, target, 3, 4))
     torch.library.opcheck(ops.vocab_stats.default, (hidden, weight, None, 0, 0))
-    torch.library.opcheck(ops.vocab_stats_deferred.default, (hidden, weight, target, 3, 4))
-    flagged = torch.zeros(9, dtype=torch.bool)
-    flagged[[1, 4, 7]] = True
-    values, top_ids = torch.zeros(9, 3), torch.zeros(9, 3, dtype=torch.int64)
-    torch.library.opcheck(ops.finish_topk_.default, (hidden, weight, flagged, 2, values, top_ids))
     torch.library.opcheck(
         ops.vocab_stats_backward.default,
         (hidden, weight, row_max, g_s, ids, g_ids, 5, True, True, None),
@@ -333,31 +328,6 @@ def test_opcheck():
         ops.vocab_stats_backward.default,
         (hidden, weight, row_max, g_s, ids, g_ids, 0, False, True, torch.zeros(13, 16)),
     )
-
-
-def test_deferred_op_and_finish_on_cpu():
-    """On CPU the deferred forward is the plain one with nothing left (no row flagged, count 0);
-    ``finish_topk_`` redoes exactly the LAST ``left`` flagged rows, in place, and nothing for 0."""
-    hidden, weight, target, *_ = _op_args()
-    plain = vocab_stats(hidden, weight, target, 3)
-    *out, redo, left = vocab_ops.vocab_stats_deferred(hidden, weight, target, 3)
-    assert all(torch.equal(a, b) for a, b in zip(plain, out))
-    assert redo.dtype == torch.bool and not redo.any()
-    assert left.dtype == torch.int32 and left.tolist() == [0]
-    assert not vocab_ops.defers_topk(3, hidden.device)
-    flagged = torch.zeros(9, dtype=torch.bool)
-    flagged[[1, 4, 7]] = True
-    values, ids = torch.zeros(9, 3), torch.zeros(9, 3, dtype=torch.int64)
-    vocab_ops.finish_topk_(hidden, weight, flagged, 0, values, ids)
-    assert not values.any() and not ids.any()
-    vocab_ops.finish_topk_(hidden, weight, flagged, 2, values, ids)
-    done = torch.tensor([4, 7])
-    # (Values to fp32 rounding: the CPU's matmul may sum 2 rows in another order than 9.)
-    torch.testing.assert_close(values[done], plain[3][done], rtol=1e-6, atol=1e-6)
-    assert torch.equal(ids[done], plain[4][done])
-    rest = torch.ones(9, dtype=torch.bool)
-    rest[done] = False
-    assert not values[rest].any() and not ids[rest].any()
 
 
 def test_fake_tensors_and_compile():

@@ -179,32 +179,6 @@ def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, passes, monk
     assert len(redone) == 1 and 1 <= redone[0] < 1000 // 50, redone
 
 
-def test_deferred_forward_is_the_plain_one_once_finished(monkeypatch):
-    """``vocab_stats_deferred`` with fewer rows covered ahead than flagged (rows 0, 3 and 8 have
-    their six best columns in one column group): nothing read on the host, ``left`` the flagged
-    rows not yet covered, and after ``finish_topk_`` every output is the plain forward's, bit for
-    bit; the one-shard composition (what bench_head.py times) gives the same log-probs."""
-    hidden, weight, _ = _inputs(1000, 5003, 256, torch.bfloat16, 23)
-    hidden[3] = hidden[8] = hidden[0]
-    for rank, col in enumerate([11, 19, 27, 35, 43, 51]):
-        weight[col] = (hidden[0].float() * (0.05 - 0.001 * rank)).to(torch.bfloat16)
-    labels = torch.randint(0, 5003, (1000,), device="cuda")
-    monkeypatch.setitem(vocab_ops._CONFIG, "fwd_topk", dict(vocab_ops._CONFIG["fwd_topk"]))
-    vocab_ops.set_kernel_config("fwd_topk", grouped=True)
-    assert vocab_ops.defers_topk(8, hidden.device)
-    plain = vocab_stats(hidden, weight, labels, 8)
-    ref = shard_logprobs(hidden, weight, labels, 8)
-    for ahead in (0, 2, 128):
-        vocab_ops.set_kernel_config("fwd_topk", reselect_ahead=ahead)
-        *out, redo, left = vocab_ops.vocab_stats_deferred(hidden, weight, labels, 8)
-        m, left = int(redo.sum()), int(left.item())
-        assert redo[[0, 3, 8]].all() and left == max(m - ahead, 0), (ahead, m, left)
-        vocab_ops.finish_topk_(hidden, weight, redo, left, out[3], out[4])
-        assert all(torch.equal(a, b) for a, b in zip(plain, out)), ahead
-        got = shard_logprobs(hidden, weight, labels, 8)
-        assert all(torch.equal(a, b) for a, b in zip(ref, got)), ahead
-
-
 @pytest.mark.parametrize("loading", ["tma", "pointers", "alt"], indirect=True)
 @pytest.mark.parametrize("vocab,k", [(5003, 20), (40, 64)])
 def test_reselection_gives_the_every_element_bits(vocab, k, loading, monkeypatch):
@@ -411,12 +385,6 @@ def test_torch_compile_and_opcheck():
     g_ids = torch.randn(65, 3, device="cuda")
     ops = torch.ops.megatron_cp
     torch.library.opcheck(ops.vocab_stats.default, (hidden, weight, labels, 4, 0))
-    torch.library.opcheck(ops.vocab_stats_deferred.default, (hidden, weight, labels, 4, 0))
-    flagged = torch.zeros(65, dtype=torch.bool, device="cuda")
-    flagged[[1, 30, 64]] = True
-    values = torch.zeros(65, 4, device="cuda")
-    top_ids = torch.zeros(65, 4, dtype=torch.int64, device="cuda")
-    torch.library.opcheck(ops.finish_topk_.default, (hidden, weight, flagged, 2, values, top_ids))
     torch.library.opcheck(
         ops.vocab_stats_backward.default,
         (hidden, weight, row_max, g_s, ids, g_ids, 64, True, True, None),

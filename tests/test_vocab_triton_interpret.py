@@ -156,25 +156,6 @@ for flagged, slack in (([0, 4, 9, 20], 0.0), ([1, 2, 3, 4, 5, 6, 7], 30.0), ([],
         assert torch.equal(v[mask], every[3][mask]) and torch.equal(i[mask], every[4][mask])
         assert torch.equal(v[~mask], before[~mask]) and not i[~mask].any()
         assert redone == ([len(flagged)] if flagged else []), (ahead, redone)
-# The deferred forward (no host read): the same bits as the plain one once the last `left`
-# flagged rows are finished; rows 0, 5 and 9 (equal) each lose one of their two best columns
-# to the single pass per tile, so all three are flagged. Integer data: exact logits whatever
-# the order of the interpreter's sums.
-vo.set_kernel_config("fwd_topk", grouped=True, flatten=True, passes=1, G=4)
-h = torch.randint(-3, 4, (37, 32), generator=gen).half()
-h[5] = h[9] = h[0]
-w = torch.randint(-3, 4, (301, 32), generator=gen).half()
-w[33], w[34] = 4 * h[0], 5 * h[0]
-vo.set_kernel_config("fwd_topk", reselect_ahead=128)
-plain = vo._stats_kernel(h, w, None, 5, slots=3)
-for ahead in (0, 1, 2, 128):
-    vo.set_kernel_config("fwd_topk", reselect_ahead=ahead)
-    out = vo._stats_kernel(h, w, None, 5, slots=3, defer=True)
-    assert len(out) == 7 and out[6].dtype == torch.int32 and out[6].shape == (1,)
-    m, left = int(out[5].sum()), int(out[6])
-    assert m >= 3 and out[5][[0, 5, 9]].all() and left == max(m - ahead, 0), (ahead, m, left)
-    vo._finish_cuda(h, w, out[5], left, out[3], out[4])
-    assert all(torch.equal(a, b) for a, b in zip(plain, out[:5])), ahead
 print("interpreter ok")
 """
 

@@ -233,27 +233,21 @@ class _LocalVocabStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, k, chunk_size, defer):
-        if defer:
-            outs = vocab_ops.vocab_stats_deferred(hidden, weight, target, k, chunk_size)
-        else:
-            outs = vocab_ops.vocab_stats(hidden, weight, target, k, chunk_size) + (None, None)
-        row_max, sum_exp, target_logit, top_values, top_ids, redo, left = outs
-        ctx.save_for_backward(hidden, weight, target, row_max)
-        # An attribute, not a saved tensor: with ``defer`` the caller may still correct the ids
-        # in place (``vocab_ops.finish_topk_``) after this forward, and backward must see that.
-        ctx.top_ids = top_ids
+    def forward(ctx, hidden, weight, target, k, chunk_size):
+        row_max, sum_exp, target_logit, top_values, top_ids = vocab_ops.vocab_stats(
+            hidden, weight, target, k, chunk_size
+        )
+        ctx.save_for_backward(hidden, weight, target, row_max, top_ids)
         ctx.chunk_size, ctx.has_target = chunk_size, target is not None
-        ctx.mark_non_differentiable(*(t for t in (row_max, top_ids, redo, left) if t is not None))
-        return row_max, sum_exp, target_logit, top_values, top_ids, redo, left
+        ctx.mark_non_differentiable(row_max, top_ids)
+        return row_max, sum_exp, target_logit, top_values, top_ids
 
     @staticmethod
-    def backward(ctx, _grad_max, grad_sum_exp, grad_target, grad_top, _grad_ids, *_pending):
-        hidden, weight, target, row_max = ctx.saved_tensors
-        top_ids = ctx.top_ids
+    def backward(ctx, _grad_max, grad_sum_exp, grad_target, grad_top, _grad_ids):
+        hidden, weight, target, row_max, top_ids = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (want_h or want_w):
-            return (None,) * 6
+            return (None,) * 5
         n, device = hidden.shape[0], hidden.device
         ids: List[torch.Tensor] = []
         grads: List[torch.Tensor] = []
@@ -278,7 +272,7 @@ class _LocalVocabStats(torch.autograd.Function):
             want_h,
             want_w,
         )
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None
 
 
 def _vocab_parallel_logprobs(
@@ -295,54 +289,20 @@ def _vocab_parallel_logprobs(
 
     ``hidden`` ``[n, H]`` (already through ``copy_to_tensor_parallel_region``), ``weight``
     ``[V/TP, H]``, ``labels`` int64 ``[n]`` global ids or None (then target log-probs are zero).
-    One all-gather over TP, run on every rank whatever ``n`` (zero included); a second one, on
-    every rank alike, only when the deferred top-k check finds a rank with rows left to finish.
-    With ``k > 0`` on CUDA, one host read (that check) after everything is queued.
+    One all-gather over TP, run on every rank whatever ``n`` (zero included).
     """
-    shard = weight.shape[0]
-    local_k = min(k, shard)
-    target = None if labels is None else labels - tp_rank * shard
-    # The top-k's exactness check is read on the host once, after the whole composition is
-    # queued (vocab_ops.vocab_stats_deferred), not inside the forward before it. Every TP rank
-    # decides alike: k, the device and the capture state are the same on all, and all read the
-    # same gathered counts.
-    defer = vocab_ops.defers_topk(local_k, hidden.device) and not torch.compiler.is_compiling()
-    *stats, redo, left = _LocalVocabStats.apply(hidden, weight, target, local_k, chunk_size, defer)
-    combine = (labels, k, shard, tp_group, tp_rank, tp_size)
-    out, lefts = _combine_over_tensor_parallel(stats, left, *combine)
-    if lefts is None:
-        return out
-    lefts = lefts.tolist()
-    if not any(lefts):
-        return out
-    # Some rank's top-k is not exact yet (rare: more flagged rows than reselect_ahead). Each rank
-    # corrects its own rows, and all of them combine again.
-    with torch.no_grad():
-        vocab_ops.finish_topk_(hidden, weight, redo, lefts[tp_rank], stats[3], stats[4])
-    return _combine_over_tensor_parallel(stats, None, *combine)[0]
-
-
-def _combine_over_tensor_parallel(
-    stats, left, labels, k, shard, tp_group, tp_rank, tp_size
-) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
-    """The one TP all-gather of every rank's per-row statistics, and their combine.
-
-    ``stats``: this rank's ``_LocalVocabStats`` outputs (row max, sum_exp, target logit, top-k
-    values, shard-local ids), ``[n]`` / ``[n, local_k]``; ``left``: None, or the deferred top-k's
-    int32 ``[1]`` count, which then rides in the same all-gather (as a column; nothing rides
-    when ``n`` is 0, and nothing then needs to). Returns ``((target log-probs, top-k log-probs,
-    top-k ids), lefts)``: ``lefts`` is int32 ``[tp_size]``, every rank's count, the same on all
-    ranks, or None.
-    """
-    row_max, sum_exp, target_logit, top_values, top_ids = stats
-    n, local_k = top_values.shape
+    n, shard = hidden.shape[0], weight.shape[0]
     vocab, vocab_start = shard * tp_size, tp_rank * shard
+    local_k = min(k, shard)
+    target = None if labels is None else labels - vocab_start
+    row_max, sum_exp, target_logit, top_values, top_ids = _LocalVocabStats.apply(
+        hidden, weight, target, local_k, chunk_size
+    )
     # Ids travel bit-cast inside the fp32 statistics: one collective, exact ids.
     id_bits = (top_ids + vocab_start).to(torch.int32).view(torch.float32)
-    columns = [row_max[:, None], sum_exp[:, None], target_logit[:, None], top_values, id_bits]
-    if left is not None:
-        columns.append(left.view(torch.float32).expand(n, 1))
-    stats = torch.cat(columns, dim=1)
+    stats = torch.cat(
+        [row_max[:, None], sum_exp[:, None], target_logit[:, None], top_values, id_bits], dim=1
+    )
     every = gather_from_tensor_parallel_region(stats, tp_group, dim=0)
     every = every.view(tp_size, n, stats.shape[1])
     maxima = every[:, :, _MAX].detach()
@@ -354,19 +314,16 @@ def _combine_over_tensor_parallel(
         target_lp = torch.where(valid, every[:, :, _TARGET].sum(dim=0) - lse, float("nan"))
         target_lp = torch.where(labels == IGNORE_INDEX, 0.0, target_lp)
     else:
-        target_lp = torch.zeros(n, dtype=torch.float32, device=row_max.device)
+        target_lp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
 
     width = tp_size * local_k
     values = every[:, :, _TOPK : _TOPK + local_k].permute(1, 0, 2).reshape(n, width)
-    ids = every[:, :, _TOPK + local_k : _TOPK + 2 * local_k].detach().contiguous()
-    ids = ids.view(torch.int32).permute(1, 0, 2).reshape(n, width)
+    ids = every[:, :, _TOPK + local_k :].detach().contiguous().view(torch.int32)
+    ids = ids.permute(1, 0, 2).reshape(n, width)
     if tp_size > 1 and k:
         values, where = values.topk(k, dim=-1)
         ids = ids.gather(1, where)
-    lefts = None
-    if left is not None and n:
-        lefts = every[:, 0, -1].detach().contiguous().view(torch.int32)
-    return (target_lp, values - lse[:, None], ids.long()), lefts
+    return target_lp, values - lse[:, None], ids.long()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,6 @@
 """Local building blocks of the vocab-parallel head: one tensor-parallel shard, no communication.
 
-Torch custom ops in the ``megatron_cp`` namespace, wrapped by functions of the same names (the
-two below, and ``vocab_stats_deferred`` / ``finish_topk_``, the forward with its one host read
-left to the caller):
+Two torch custom ops in the ``megatron_cp`` namespace, wrapped by two functions:
 
 ``vocab_stats(hidden, weight, target, k, chunk_size) -> (row_max, sum_exp, target_logit,
 topk_values, topk_ids)``
@@ -56,10 +54,8 @@ Paths:
       forward's top-k is taken over grouped candidates, the rows where that could miss
       something (random logits, k = 20: 0.01-0.1% of rows) are selected again from their
       logits' order keys, all queued on the device, and the host then reads how many rows that
-      was (more than ``reselect_ahead``: those are redone after the read).
-      ``vocab_stats_deferred`` hands that read to the caller (the head reads it once, after its
-      composition and TP all-gather are queued; ``finish_topk_`` redoes the rows). Under a CUDA
-      graph capture the forward selects over every element instead (exact, no host read, slower);
+      was (more than ``reselect_ahead``: those are redone after the read). Under a CUDA graph
+      capture the forward selects over every element instead (exact, no host read, slower);
       ``set_kernel_config("fwd_topk", grouped=False)`` does so always.
     * CUDA fallback: ``k > 64`` in the forward (the kernel keeps the running top-k in
       registers) runs the torch path on the GPU, on cuBLAS logits with fp32 output, in chunks of
@@ -82,29 +78,13 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = [
-    "vocab_stats",
-    "vocab_stats_deferred",
-    "finish_topk_",
-    "defers_topk",
-    "vocab_stats_backward",
-    "set_kernel_config",
-    "kernel_config",
-]
+__all__ = ["vocab_stats", "vocab_stats_backward", "set_kernel_config", "kernel_config"]
 
 _NAMESPACE = "megatron_cp"
 _lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
 _lib.define(
     "vocab_stats(Tensor hidden, Tensor weight, Tensor? target, int k, int chunk_size)"
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-_lib.define(
-    "vocab_stats_deferred(Tensor hidden, Tensor weight, Tensor? target, int k, int chunk_size)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-_lib.define(
-    "finish_topk_(Tensor hidden, Tensor weight, Tensor redo, int left, Tensor(a!) values,"
-    " Tensor(b!) ids) -> ()"
 )
 _lib.define(
     "vocab_stats_backward(Tensor hidden, Tensor weight, Tensor row_max, Tensor grad_sum_exp,"
@@ -416,12 +396,8 @@ def _grouped_topk(k: int, device: Optional[torch.device]) -> bool:
     return True
 
 
-def _stats_kernel(hidden, weight, target, k, slots, grouped=None, defer=False):
+def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     """The Triton forward plus the tiny combine of the splits' partial results.
-
-    ``defer``: leave the host out (see ``vocab_stats_deferred``) and also return the bool ``[n]``
-    mask of the rows handed to the exact re-selection and an int32 ``[1]`` device count of those
-    (the last ones flagged) not re-selected yet.
 
     With grouped top-k candidates (see ``_vocab_triton._offer_grouped``) the merged top-k is
     exact unless a logit left out of the selection (a column group's third largest or lower in a
@@ -447,69 +423,44 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None, defer=False):
     row_max, sum_exp, target_logit, values, ids, redo = _combine_splits(
         part, top_v, top_i, k, vocab
     )
-    if not defer:
-        if redo is not None:
-            _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg)
-        return row_max, sum_exp, target_logit, values, ids
-    if redo is None:
-        redo = torch.zeros(n, dtype=torch.bool, device=hidden.device)
-        left = torch.zeros(1, dtype=torch.int32, device=hidden.device)
-    else:
-        count, ahead = _reselect_queue(hidden, weight, redo, values, ids, k, slots, cfg)
-        left = (count - ahead).clamp_(min=0)
-    return row_max, sum_exp, target_logit, values, ids, redo, left
-
-
-def _reselect_queue(hidden, weight, redo, values, ids, k, slots, cfg):
-    """Queues, with no host read, the exact re-selection of the first flagged rows of the bool
-    ``[n]`` mask ``redo``: their top-k over every element overwrites ``values`` / ``ids`` in place.
-
-    Returns ``(count, ahead)``: an int32 ``[1]`` device tensor holding how many rows ``redo``
-    flags, and how many of them (the first, in row order) the queued kernels cover:
-    ``min(n, cfg["reselect_ahead"], what fits _RESELECT_BYTES of keys)``. ``nonzero_static``, the
-    device-side count and kernels that stop at it (the logit keys, their top-k, written straight
-    into the flagged rows) keep the host out of it, so the GPU goes on while the host does not
-    know yet whether any row was flagged.
-    """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    width = _vocab_triton.key_columns(vocab, cfg)
-    ahead = min(n, int(cfg.get("reselect_ahead", 0)), _RESELECT_BYTES // (8 * width))
-    count = redo.sum(dtype=torch.int32).reshape(1)
-    if ahead:
-        first = torch.nonzero_static(redo, size=ahead, fill_value=0).squeeze(1)
-        keys = torch.empty(ahead, width, dtype=torch.int64, device=hidden.device)
-        rows = hidden.index_select(0, first)
-        _vocab_triton.logit_keys(rows, weight, keys, _keys_tile(cfg), slots, count)
-        # The grouped selection's k-th value is a floor for the exact one: k logits reach it.
-        floor = values[:, k - 1]
-        _vocab_triton.topk_of_keys(keys, count, k, vocab, first, values, ids, floor)
-    return count, ahead
-
-
-def _reselect_rest(hidden, weight, redo, values, ids, k, slots, left: int) -> None:
-    """Re-selects exactly the LAST ``left`` rows flagged in ``redo`` (the ones past those
-    ``_reselect_queue`` covered) into ``values`` / ``ids``; reads the flagged rows on the host."""
-    if left <= 0:
-        return
-    which = redo.nonzero().squeeze(1)
-    # Ascending, like nonzero_static: the first flagged rows are already written.
-    rest = which[which.numel() - left :]
-    exact_v, exact_i = _reselect(hidden.index_select(0, rest), weight, k, slots)
-    values.index_copy_(0, rest, exact_v)
-    ids.index_copy_(0, rest, exact_i)
+    if redo is not None:
+        _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg)
+    return row_max, sum_exp, target_logit, values, ids
 
 
 def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg) -> int:
     """Overwrites the top-k ``values`` / ``ids`` of the rows flagged in the bool ``[n]`` mask
     ``redo`` with their exact top-k over every element; returns how many rows that was.
 
-    One host read, that count, after everything for the first ``cfg["reselect_ahead"]`` flagged
-    rows is queued (``_reselect_queue``); only more flagged rows launch anything after it.
+    One host read: that count. Everything for the first ``cfg["reselect_ahead"]`` flagged rows
+    is queued before it, with no host read (``nonzero_static``, a count kept on the device, and
+    kernels that stop at it: the logit keys, their top-k, written straight into the flagged
+    rows), so the GPU works while the host waits, and nothing is left to launch after the read
+    unless more rows were flagged (then ``_reselect`` takes the rest).
     """
-    count, ahead = _reselect_queue(hidden, weight, redo, values, ids, k, slots, cfg)
-    m = int(count.item())
-    _reselect_rest(hidden, weight, redo, values, ids, k, slots, m - ahead)
-    return m
+    n, vocab = hidden.shape[0], weight.shape[0]
+    width = _vocab_triton.key_columns(vocab, cfg)
+    ahead = min(n, int(cfg.get("reselect_ahead", 0)), _RESELECT_BYTES // (8 * width))
+    if ahead:
+        first = torch.nonzero_static(redo, size=ahead, fill_value=0).squeeze(1)
+        count = redo.sum(dtype=torch.int32).reshape(1)
+        keys = torch.empty(ahead, width, dtype=torch.int64, device=hidden.device)
+        rows = hidden.index_select(0, first)
+        _vocab_triton.logit_keys(rows, weight, keys, _keys_tile(cfg), slots, count)
+        # The grouped selection's k-th value is a floor for the exact one: k logits reach it.
+        floor = values[:, k - 1]
+        _vocab_triton.topk_of_keys(keys, count, k, vocab, first, values, ids, floor)
+        m = int(count.item())
+        if m <= ahead:
+            return m
+    which = redo.nonzero().squeeze(1)
+    # Ascending, like nonzero_static: the first `ahead` flagged rows are already written.
+    rest = which[ahead:]
+    if rest.numel():
+        exact_v, exact_i = _reselect(hidden.index_select(0, rest), weight, k, slots)
+        values.index_copy_(0, rest, exact_v)
+        ids.index_copy_(0, rest, exact_i)
+    return which.numel()
 
 
 def _keys_tile(cfg):
@@ -588,48 +539,6 @@ def _stats_cuda(hidden, weight, target, k, chunk_size):
     return _stats_kernel(hidden, weight, target, k, _sm_count(hidden.device))
 
 
-def _no_pending(n, device):
-    """The deferred forward's "nothing left to finish": no row flagged, count 0."""
-    return (
-        torch.zeros(n, dtype=torch.bool, device=device),
-        torch.zeros(1, dtype=torch.int32, device=device),
-    )
-
-
-def _deferred_torch(hidden, weight, target, k, chunk_size):
-    return _stats_torch(hidden, weight, target, k, chunk_size) + _no_pending(
-        hidden.shape[0], hidden.device
-    )
-
-
-def _deferred_cuda(hidden, weight, target, k, chunk_size):
-    n, vocab = hidden.shape[0], weight.shape[0]
-    if _vocab_triton is None or n == 0 or vocab == 0 or k > _KERNEL_MAX_K:
-        return _stats_cuda(hidden, weight, target, k, chunk_size) + _no_pending(n, hidden.device)
-    return _stats_kernel(hidden, weight, target, k, _sm_count(hidden.device), defer=True)
-
-
-def _finish_torch(hidden, weight, redo, left, values, ids):
-    if left <= 0:
-        return
-    which = redo.nonzero().squeeze(1)
-    rest = which[which.numel() - left :]
-    _, _, _, exact_v, exact_i = _stats_torch(
-        hidden.index_select(0, rest), weight, None, values.shape[1], 0
-    )
-    values.index_copy_(0, rest, exact_v)
-    ids.index_copy_(0, rest, exact_i)
-
-
-def _finish_cuda(hidden, weight, redo, left, values, ids):
-    if _vocab_triton is None:
-        return _finish_torch(hidden, weight, redo, left, values, ids)
-    # CPU tensors only reach here under Triton's interpreter (tests).
-    slots = _sm_count(hidden.device) if hidden.is_cuda else 3
-    hidden, weight = _row_major(hidden), _row_major(weight)
-    _reselect_rest(hidden, weight, redo, values, ids, values.shape[1], slots, left)
-
-
 def _backward_kernel(
     hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w, main_grad
 ):
@@ -703,10 +612,6 @@ def _backward_cuda(
 
 _lib.impl("vocab_stats", _stats_torch, "CPU")
 _lib.impl("vocab_stats", _stats_cuda, "CUDA")
-_lib.impl("vocab_stats_deferred", _deferred_torch, "CPU")
-_lib.impl("vocab_stats_deferred", _deferred_cuda, "CUDA")
-_lib.impl("finish_topk_", _finish_torch, "CPU")
-_lib.impl("finish_topk_", _finish_cuda, "CUDA")
 _lib.impl("vocab_stats_backward", _backward_torch, "CPU")
 _lib.impl("vocab_stats_backward", _backward_cuda, "CUDA")
 
@@ -722,20 +627,6 @@ def _stats_fake(hidden, weight, target, k, chunk_size):
         hidden.new_empty((n, k), dtype=torch.float32),
         hidden.new_empty((n, k), dtype=torch.int64),
     )
-
-
-@torch.library.register_fake(f"{_NAMESPACE}::vocab_stats_deferred", lib=_lib)
-def _deferred_fake(hidden, weight, target, k, chunk_size):
-    n = hidden.shape[0]
-    return _stats_fake(hidden, weight, target, k, chunk_size) + (
-        hidden.new_empty((n,), dtype=torch.bool),
-        hidden.new_empty((1,), dtype=torch.int32),
-    )
-
-
-@torch.library.register_fake(f"{_NAMESPACE}::finish_topk_", lib=_lib)
-def _finish_fake(hidden, weight, redo, left, values, ids):
-    return None
 
 
 @torch.library.register_fake(f"{_NAMESPACE}::vocab_stats_backward", lib=_lib)
@@ -820,73 +711,13 @@ def vocab_stats(
     Raises:
         TypeError, ValueError: on wrong types, shapes, dtypes, devices or ``k``.
     """
-    _check_stats_args(hidden, weight, target, k)
-    return torch.ops.megatron_cp.vocab_stats(hidden, weight, target, k, _chunk_arg(chunk_size))
-
-
-def _check_stats_args(hidden, weight, target, k) -> None:
     _check_pair(hidden, weight)
     n, vocab = hidden.shape[0], weight.shape[0]
     if target is not None:
         _check_rows("target", target, n, hidden.device, torch.int64)
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= vocab:
         raise ValueError(f"k must be an int in [0, {vocab}] (the shard's vocabulary), got {k!r}")
-
-
-def defers_topk(k: int, device: torch.device) -> bool:
-    """Whether ``vocab_stats_deferred`` may leave rows for ``finish_topk_`` with these ``k`` and
-    ``device`` (grouped top-k candidates on CUDA, outside a CUDA graph capture): if not, its
-    ``left`` is 0 and need not be read."""
-    return (
-        device.type == "cuda"
-        and _vocab_triton is not None
-        and 0 < k <= _KERNEL_MAX_K
-        and _grouped_topk(k, device)
-    )
-
-
-def vocab_stats_deferred(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: Optional[torch.Tensor],
-    k: int,
-    chunk_size: Optional[int] = None,
-) -> Tuple[torch.Tensor, ...]:
-    """``vocab_stats`` without its host read: the caller finishes the top-k when convenient.
-
-    Returns ``vocab_stats``' five outputs, then a bool ``[n]`` mask ``redo`` and an int32 ``[1]``
-    device tensor ``left``. Everything is exact except the top-k values and ids of the LAST
-    ``left`` rows flagged in ``redo``; ``finish_topk_(hidden, weight, redo, int(left),
-    values, ids)`` makes those exact in place. ``left`` is more than 0 only when more rows need
-    the grouped top-k's exact re-selection than ``kernel_config("fwd_topk")["reselect_ahead"]``
-    (random logits: 0.01-0.1% of rows are flagged, and 128 are covered), and only where
-    ``defers_topk`` says so.
-
-    Why: ``vocab_stats`` reads that count on the host before it returns, so whatever the caller
-    launches next waits for the whole forward. Here the caller can queue its composition first
-    (the head's log-softmax, its TP all-gather with ``left`` riding along), then read ``left``
-    once, and redo the composition in the rare case that it is above 0.
-    """
-    _check_stats_args(hidden, weight, target, k)
-    return torch.ops.megatron_cp.vocab_stats_deferred(
-        hidden, weight, target, k, _chunk_arg(chunk_size)
-    )
-
-
-def finish_topk_(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    redo: torch.Tensor,
-    left: int,
-    values: torch.Tensor,
-    ids: torch.Tensor,
-) -> None:
-    """Makes exact, in place, the top-k ``values`` / ``ids`` that ``vocab_stats_deferred`` left:
-    those of the last ``left`` rows flagged in ``redo`` (its outputs, unchanged; ``left`` its
-    count read on the host). Nothing happens for ``left <= 0``. Not differentiable: call it under
-    ``torch.no_grad()`` on the forward's outputs before any backward through them."""
-    if left > 0:
-        torch.ops.megatron_cp.finish_topk_(hidden, weight, redo, int(left), values, ids)
+    return torch.ops.megatron_cp.vocab_stats(hidden, weight, target, k, _chunk_arg(chunk_size))
 
 
 def vocab_stats_backward(
