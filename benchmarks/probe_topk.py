@@ -1,9 +1,10 @@
 """Where the forward top-k's time goes (diagnostic, GPU). Per shape, timed in turns (every round
 runs each variant once, so clock and power drift hit all alike): the cuBLAS GEMM, the k = 0 and
-top-20 paths (re-selection queued before or after the host read), the kernel alone with k = 20
-(three selection passes per tile, flattened loop), k = 1 and k = 0 (the floor of the epilogue),
-the merge of the splits' results, and the exact re-selection of 18 rows (through
-logit keys, its pieces, and through the every-element kernel). Prints ms and GEMMs (cuBLAS
+top-20 paths (flagged rows re-selected through logit keys, or all through the row-list launch),
+the kernel alone with k = 20 (three selection passes per tile, flattened loop), k = 1 and k = 0
+(the floor of the epilogue), the merge of the splits' results, and the exact re-selection of 18
+rows (in place: through logit keys and its pieces, through the row-list launch, the launches
+with no row flagged, and the every-element kernel on 18 gathered rows). Prints ms and GEMMs (cuBLAS
 ``hidden @ weight.T``) per variant; then the host time of one call of each path (how long the
 GPU would wait on Python were it idle), the kernels of one top-20 call (torch.profiler), and on
 the TP-4 shard the backward's pieces.
@@ -57,7 +58,7 @@ def probe(n, vocab, reps):
         finally:
             vocab_ops.set_kernel_config("fwd_topk", **base)
 
-    fns["top-20 path, re-selection keys after the host read"] = no_ahead
+    fns["top-20 path, every flagged row through the row-list launch"] = no_ahead
     fns[f"kernel k=0 flatten splits={auto0}"] = launch(h, w, t, 0, auto0)
     fns[f"kernel k=20 passes=3 flatten splits={auto0}"] = launch(
         h, w, t, 20, auto0, flatten=True, passes=3
@@ -70,8 +71,23 @@ def probe(n, vocab, reps):
     ti = torch.randint(0, vocab, (auto0, n, 32), device=dev, dtype=torch.int32)
     fns[f"merge of {auto0} splits"] = lambda: vocab_ops._combine_splits(part, tv, ti, 20, vocab)
     hs = h[:18].contiguous()
-    fns["redo of 18 rows, logit keys"] = lambda: vocab_ops._reselect(hs, w, 20, slots)
     cfg = vocab_ops.kernel_config("fwd_topk")
+    # 18 flagged rows (spread out), re-selected in place: through logit keys, or all through the
+    # every-element kernel's row-list launch.
+    redo = torch.zeros(n, dtype=torch.bool, device=dev)
+    redo[torch.randperm(n, device=dev, generator=gen)[:18]] = True
+    v_n = torch.zeros(n, 20, device=dev)
+    i_n = torch.zeros(n, 20, dtype=torch.int64, device=dev)
+    fns["redo of 18 rows, logit keys"] = lambda: vocab_ops._reselect_into(
+        h, w, redo, v_n, i_n, 20, slots, cfg
+    )
+    fns["redo of 18 rows, row-list launch"] = lambda: vocab_ops._reselect_into(
+        h, w, redo, v_n, i_n, 20, slots, dict(cfg, reselect_ahead=0)
+    )
+    no_rows = torch.zeros(n, dtype=torch.bool, device=dev)
+    fns["no row flagged (the launches' fixed cost)"] = lambda: vocab_ops._reselect_into(
+        h, w, no_rows, v_n, i_n, 20, slots, cfg
+    )
     keys = torch.empty(18, _vocab_triton.key_columns(vocab, cfg), dtype=torch.int64, device=dev)
     tile = vocab_ops._keys_tile(cfg)
     fns["  logit keys kernel (BM 64)"] = lambda: _vocab_triton.logit_keys(hs, w, keys, tile, slots)
@@ -98,7 +114,7 @@ def probe(n, vocab, reps):
     print("| variant | ms | GEMMs |\n|---|---:|---:|")
     for name, ms in times.items():
         print(f"| {name} | {ms:.2f} | {ms / times['GEMM']:.3f} |")
-    print("\nhost ms per call (no sync; the top-20 path syncs once to count its re-selected rows)")
+    print("\nhost ms per call (no sync)")
     for name in ("fwd k=0 path", f"top-20 path {base}", "redo of 18 rows, logit keys"):
         host = []
         for _ in range(5):

@@ -181,34 +181,35 @@ def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, passes, monk
 
 @pytest.mark.parametrize("loading", ["tma", "pointers", "alt"], indirect=True)
 @pytest.mark.parametrize("vocab,k", [(5003, 20), (40, 64)])
-def test_reselection_gives_the_every_element_bits(vocab, k, loading, monkeypatch):
-    """The leftover rows' re-selection (logit keys and torch.topk, in one chunk or several, and
-    past the row limit the every-element kernel) returns the every-element forward's values and
-    ids bit for bit; k above the vocabulary pads with -inf and id -1."""
+def test_reselection_gives_the_every_element_bits(vocab, k, loading):
+    """The flagged rows' re-selection (logit keys for the first ``ahead`` of them, the
+    every-element kernel over a device-counted row list for the rest: all, some or none of them
+    ahead, and a row list longer than one block) returns the every-element forward's values and
+    ids bit for bit, into the flagged rows only; k above the vocabulary pads with -inf and id -1.
+    """
     hidden, weight, _ = _inputs(300, vocab, 256, torch.bfloat16, 31 + vocab)
     slots = vocab_ops._sm_count(hidden.device)
     every = vocab_ops._stats_kernel(hidden, weight, None, k, slots, False)
-    rows = torch.tensor([0, 5, 77, 128, 299], device="cuda")
-    for limit, chunk in ((256, 128 << 20), (256, 8 * 2 * 256), (2, 128 << 20)):
-        monkeypatch.setattr(vocab_ops, "_RESELECT_ROWS", limit)
-        monkeypatch.setattr(vocab_ops, "_RESELECT_BYTES", chunk)
-        values, ids = vocab_ops._reselect(hidden[rows], weight, k, slots)
-        assert torch.equal(values, every[3][rows]) and torch.equal(ids, every[4][rows]), limit
     if k > vocab:
-        assert torch.all(ids[:, vocab:] == -1) and torch.all(values[:, vocab:] == float("-inf"))
-    mask = torch.zeros(300, dtype=torch.bool, device="cuda")
-    mask[rows] = True
+        assert torch.all(every[4][:, vocab:] == -1)
+        assert torch.all(every[3][:, vocab:] == float("-inf"))
     cfg = vocab_ops.kernel_config("fwd_topk")
-    for ahead in (0, 3, 128):
-        # The grouped selection's values come in; its k-th is a floor for the exact k-th.
-        values = torch.zeros(300, k, device="cuda")
-        values[:, k - 1] = every[3][:, k - 1]
-        ids = torch.zeros(300, k, dtype=torch.int64, device="cuda")
-        vocab_ops._reselect_into(
-            hidden, weight, mask, values, ids, k, slots, dict(cfg, reselect_ahead=ahead)
-        )
-        assert torch.equal(values[mask], every[3][mask]) and torch.equal(ids[mask], every[4][mask])
-        assert not values[~mask][:, : k - 1].any() and not ids[~mask].any()
+    for flagged in ([0, 5, 77, 128, 299], list(range(0, 300, 2))):
+        mask = torch.zeros(300, dtype=torch.bool, device="cuda")
+        mask[flagged] = True
+        for ahead in (0, 3, 128):
+            # The grouped selection's values come in; its k-th is a floor for the exact k-th.
+            values = torch.zeros(300, k, device="cuda")
+            values[:, k - 1] = every[3][:, k - 1]
+            ids = torch.zeros(300, k, dtype=torch.int64, device="cuda")
+            count = vocab_ops._reselect_into(
+                hidden, weight, mask, values, ids, k, slots, dict(cfg, reselect_ahead=ahead)
+            )
+            assert count.tolist() == [len(flagged)]
+            diff = (values[mask] - every[3][mask]).abs().nan_to_num().max().item()
+            same_i = torch.equal(ids[mask], every[4][mask])
+            assert diff == 0 and same_i, (ahead, len(flagged), diff, same_i)
+            assert not values[~mask][:, : k - 1].any() and not ids[~mask].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -337,9 +338,22 @@ def test_composed_head_against_fp64():
     assert rel_err(w.grad.cpu(), w64.grad) < 1e-2
 
 
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("ahead", [128, 2])
+def test_cuda_graph_capture_and_replay(ahead, monkeypatch):
+    """The whole forward (grouped top-k and its re-selection) and backward replay from a graph
+    on new data as they run eagerly: nothing was decided on the host. With ``ahead = 2`` some
+    flagged rows take the row-list launch, a different set (and number) in the replayed data."""
     hidden, weight, gen = _inputs(500, 3001, 128, torch.bfloat16, 13)
     labels = torch.randint(0, 3001, (500,), generator=gen).cuda()
+    # Six columns whose logits top the rows equal to `best`: they share one column group, so
+    # those rows are always flagged for re-selection.
+    best = hidden[0].clone()
+    cols = [11, 19, 27, 35, 43, 51]
+    for rank, col in enumerate(cols):
+        weight[col] = (best.float() * (0.1 - 0.002 * rank)).to(torch.bfloat16)
+    hidden[[0, 3, 8]] = best
+    monkeypatch.setitem(vocab_ops._CONFIG, "fwd_topk", dict(vocab_ops._CONFIG["fwd_topk"]))
+    vocab_ops.set_kernel_config("fwd_topk", grouped=True, reselect_ahead=ahead)
     g_s = torch.randn(500, generator=gen).cuda()
     ids = torch.randint(0, 3001, (500, 21), generator=gen).cuda()
     g_ids = torch.randn(500, 21, generator=gen).cuda()
@@ -359,12 +373,14 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.graph(graph):
         captured = step()
     hidden.copy_(torch.randn_like(hidden))
+    hidden[[1, 5, 7, 9, 400]] = best
     graph.replay()
     fresh = step()
     torch.cuda.synchronize()
     for a, b in zip(captured, fresh):
         assert torch.equal(a, b)
     assert not torch.equal(captured[0], eager[0])
+    assert captured[4][[1, 5, 7, 9, 400], :6].tolist() == [cols] * 5
 
 
 def test_torch_compile_and_opcheck():

@@ -123,39 +123,35 @@ by_id = flat_i.where(flat_i >= 0, 10**6).sort(dim=1, stable=True).indices
 ref = flat_v.gather(1, by_id).sort(dim=1, descending=True, stable=True)
 assert torch.equal(vals, ref.values[:, :5]), (vals, ref.values)
 assert torch.equal(ids, flat_i.gather(1, by_id).gather(1, ref.indices[:, :5])), ids
-# The re-selection of leftover rows through logit keys, in one chunk, in chunks of rows, and
-# past the row limit (the every-element kernel): the same bits as the every-element forward;
-# k above the vocabulary pads with -inf and id -1.
+# Flagged rows overwritten in place, with no host read: through logit keys for the first
+# `ahead` of them and the every-element kernel over a device-counted row list for the rest (all
+# of them, some, none ahead; no flagged row: nothing). The same bits as the every-element
+# forward; k above the vocabulary pads with -inf and id -1. The values passed in hold the
+# grouped selection's, whose k-th is a floor for the exact k-th: tight (equal to it) or loose.
 vo.set_kernel_config("fwd_topk", grouped=True, flatten=True, passes=2)
 h = torch.randint(-3, 4, (21, 32), generator=gen).half()
 w = torch.randint(-3, 4, (90, 32), generator=gen).half()
 for vocab, k in ((90, 12), (11, 16)):
     every = vo._stats_kernel(h, w[:vocab], None, k, slots=3, grouped=False)
-    for rows, chunk in ((256, 1 << 20), (256, 8 * 100), (4, 1 << 20)):
-        vo._RESELECT_ROWS, vo._RESELECT_BYTES = rows, chunk
-        got = vo._reselect(h, w[:vocab], k, 3)
-        assert torch.equal(got[0], every[3]) and torch.equal(got[1], every[4]), (vocab, k, rows)
-vo._RESELECT_ROWS, vo._RESELECT_BYTES = 256, 128 << 20
-assert torch.equal(every[4][:, 11:], torch.full((21, 5), -1))
-assert torch.all(every[3][:, 11:] == float("-inf"))
-# Flagged rows overwritten in place: with their keys computed ahead of the host's count (all of
-# them, or fewer than flagged: then all after it), or none ahead; no flagged row: nothing.
-every = vo._stats_kernel(h, w, None, 12, slots=3, grouped=False)
-# The values passed in hold the grouped selection's, whose k-th is a floor for the exact k-th:
-# tight (equal to it) or loose.
-for flagged, slack in (([0, 4, 9, 20], 0.0), ([1, 2, 3, 4, 5, 6, 7], 30.0), ([], 0.0)):
-    mask = torch.zeros(21, dtype=torch.bool)
-    mask[flagged] = True
-    for ahead in (0, 2, 4, 128):
-        vo.set_kernel_config("fwd_topk", reselect_ahead=ahead)
-        v, i = torch.zeros(21, 12), torch.zeros(21, 12, dtype=torch.long)
-        v[:, 11] = every[3][:, 11] - slack
-        before = v.clone()
-        with reselected_rows(vo) as redone:
-            vo._reselect_into(h, w, mask, v, i, 12, 3, vo.kernel_config("fwd_topk"))
-        assert torch.equal(v[mask], every[3][mask]) and torch.equal(i[mask], every[4][mask])
-        assert torch.equal(v[~mask], before[~mask]) and not i[~mask].any()
-        assert redone == ([len(flagged)] if flagged else []), (ahead, redone)
+    if vocab < k:
+        assert torch.equal(every[4][:, vocab:], torch.full((21, k - vocab), -1))
+        assert torch.all(every[3][:, vocab:] == float("-inf"))
+    for flagged, slack in (([0, 4, 9, 20], 0.0), ([1, 2, 3, 4, 5, 6, 7], 30.0), ([], 0.0)):
+        mask = torch.zeros(21, dtype=torch.bool)
+        mask[flagged] = True
+        for ahead in (0, 2, 4, 128):
+            vo.set_kernel_config("fwd_topk", reselect_ahead=ahead)
+            v, i = torch.zeros(21, k), torch.zeros(21, k, dtype=torch.long)
+            v[:, k - 1] = every[3][:, k - 1] - slack
+            before = v.clone()
+            cfg = vo.kernel_config("fwd_topk")
+            with reselected_rows(vo) as redone:
+                count = vo._reselect_into(h, w[:vocab], mask, v, i, k, 3, cfg)
+            assert count.dtype == torch.int32 and count.tolist() == [len(flagged)]
+            assert torch.equal(v[mask], every[3][mask]) and torch.equal(i[mask], every[4][mask])
+            assert torch.equal(v[~mask], before[~mask]) and not i[~mask].any()
+            assert redone == ([len(flagged)] if flagged else []), (ahead, redone)
+vo.set_kernel_config("fwd_topk", reselect_ahead=128)
 print("interpreter ok")
 """
 

@@ -255,6 +255,7 @@ def _stats_fwd_kernel(
     G: tl.constexpr,
     PASSES: tl.constexpr,
     PARTS: tl.constexpr,
+    ROW_LIST: tl.constexpr = False,
 ):
     # Programs that run together share a few row blocks and a few splits, so the hidden rows and
     # the weight tiles they stream are read from DRAM about once per step and then hit L2.
@@ -268,9 +269,20 @@ def _stats_fwd_kernel(
     split = local // size_r
 
     rows = r * BM + tl.arange(0, BM)
-    # Rows past n read row (rows % n) instead of masking: the K loop stays mask-free and those
-    # rows are never stored.
-    rows_ld = (rows % n).to(tl.int64)
+    if ROW_LIST:
+        # tgt_ptr holds int64 [1 + n]: a count c, then hidden row indices; output row j (j < c)
+        # is hidden row tgt_ptr[1 + j]. Whole blocks past c stop here, so the launch costs
+        # next to nothing when c is small, whatever n is.
+        count = tl.load(tgt_ptr).to(tl.int32)
+        if r * BM >= count:
+            return
+        rows_ld = tl.load(tgt_ptr + 1 + tl.minimum(rows, count - 1))
+        n_out = count
+    else:
+        # Rows past n read row (rows % n) instead of masking: the K loop stays mask-free and
+        # those rows are never stored.
+        rows_ld = (rows % n).to(tl.int64)
+        n_out = n
     rk = tl.arange(0, BK)
     a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
 
@@ -369,7 +381,7 @@ def _stats_fwd_kernel(
                     last_v = best_v
                     last_c = best_c
 
-    rmask = rows < n
+    rmask = rows < n_out
     base = part_ptr + split * PARTS * n + rows
     tl.store(base, m_i, mask=rmask)
     tl.store(base + n, s_i, mask=rmask)
@@ -509,6 +521,7 @@ def _merge_topk_kernel(
     topi_ptr,
     out_v_ptr,
     out_i_ptr,
+    list_ptr,
     n,
     S,
     V,
@@ -516,13 +529,25 @@ def _merge_topk_kernel(
     KP: tl.constexpr,
     W: tl.constexpr,
     R: tl.constexpr,
+    ROW_LIST: tl.constexpr,
 ):
     # Rows r0..r0+R: the first K slots of each of the S splits (fp32 values, int32 ids, laid out
     # [S, n, KP]) become W int64 order keys per row; K passes take the largest key each.
+    # ROW_LIST: list_ptr holds int64 [1 + n], a count c then output rows; row j < c of the slots
+    # goes to output row list_ptr[1 + j], and programs past c stop at once.
     rows = tl.program_id(0) * R + tl.arange(0, R)
+    if ROW_LIST:
+        count = tl.load(list_ptr).to(tl.int32)
+        if tl.program_id(0) * R >= count:
+            return
+        live = rows < count
+        dest = tl.load(list_ptr + 1 + rows, mask=live, other=0)
+    else:
+        live = rows < n
+        dest = rows.to(tl.int64)
     c = tl.arange(0, W)
     s = c // K
-    ok = (rows < n)[:, None] & (s < S)[None, :]
+    ok = live[:, None] & (s < S)[None, :]
     at = (s[None, :].to(tl.int64) * n + rows[:, None]) * KP + (c % K)[None, :]
     v = tl.load(topv_ptr + at, mask=ok, other=float("-inf"))
     ids = tl.load(topi_ptr + at, mask=ok, other=-1)
@@ -531,8 +556,8 @@ def _merge_topk_kernel(
     # slots (id -1) get distinct columns past every id, which decode as empty again.
     col = tl.where(ids >= 0, ids, _BIG - W + c[None, :])
     key = tl.where(ok, _order_key(v, col), _KEY_MIN)
-    out = rows.to(tl.int64) * K
-    _emit_top(key, out_v_ptr + out, out_i_ptr + out, rows < n, V, K)
+    out = dest * K
+    _emit_top(key, out_v_ptr + out, out_i_ptr + out, live, V, K)
 
 
 @triton.jit(do_not_specialize=["width", "stride_key", "stride_floor"])
@@ -731,22 +756,34 @@ def choose_splits(
     return best
 
 
-def launch_stats_fwd(hidden, weight, target, k, part, topv, topi, splits, cfg, grouped=False):
+def launch_stats_fwd(
+    hidden, weight, target, k, part, topv, topi, splits, cfg, grouped=False, row_list=None
+):
     """Runs the forward kernel into preallocated partials; returns nothing.
 
     ``part`` is fp32 ``[splits, 3 or 4, n]``: max, sum_exp, target logit and, with ``grouped``
     top-k candidates (each column group's two largest per tile, see ``_group_top2``), the
     largest logit that was not offered.
+
+    ``row_list``: None, or int64 ``[1 + m]`` on the device: a count ``c <= m``, then ``m`` row
+    indices of ``hidden``. The kernel then computes output rows ``j < c`` from hidden rows
+    ``row_list[1 + j]`` (partials sized for ``n = m`` rows; no target; pointer loads), and the
+    launch, sized for all ``m``, costs next to nothing past ``c``: the host need not know ``c``.
     """
-    n, h = hidden.shape
+    h = hidden.shape[1]
+    n = hidden.shape[0] if row_list is None else row_list.shape[0] - 1
     v = weight.shape[0]
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles = triton.cdiv(v, bn)
     per = triton.cdiv(tiles, splits)
     kp = _next_pow2(max(k, 2)) if k else 0
     grid = (triton.cdiv(n, bm) * splits,)
-    use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight)
+    # A listed row block is not a run of rows a descriptor could load.
+    use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight) and row_list is None
     h_desc, w_desc = _descriptors(hidden, weight, bm, bn, bk, use_tma)
+    if row_list is not None:
+        assert target is None, "a row-list launch takes no target"
+        target = row_list
     _stats_fwd_kernel[grid](
         hidden,
         weight,
@@ -765,7 +802,7 @@ def launch_stats_fwd(hidden, weight, target, k, part, topv, topi, splits, cfg, g
         splits,
         K=k,
         KP=kp,
-        HAS_TARGET=target is not None,
+        HAS_TARGET=target is not None and row_list is None,
         BM=bm,
         BN=bn,
         BK=bk,
@@ -780,6 +817,7 @@ def launch_stats_fwd(hidden, weight, target, k, part, topv, topi, splits, cfg, g
         G=cfg.get("G", 8),
         PASSES=int(cfg.get("passes", 0)),
         PARTS=part.shape[1],
+        ROW_LIST=row_list is not None,
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
     )
@@ -851,18 +889,36 @@ def _selection_shape(width: int):
     return max(1, 256 * warps // width), warps
 
 
-def merge_topk(top_v, top_i, k, vocab):
+def merge_topk(top_v, top_i, k, vocab, row_list=None, values=None, ids=None):
     """The k largest of the forward's per-split slots: fp32 ``[n, k]`` values (descending) and
     int64 ``[n, k]`` ids. ``top_v`` / ``top_i``: fp32 / int32 ``[S, n, KP]``, slots ``>= k`` unused,
     a row's ids distinct and below ``vocab``, empty slots -inf with id -1; equal values come out
-    in ascending id, empty slots last (-inf, -1)."""
+    in ascending id, empty slots last (-inf, -1).
+
+    ``row_list`` (int64 ``[1 + n]``: a device-side count c, then output rows, as from a row-list
+    ``launch_stats_fwd``): only slot rows ``j < c`` are merged, into rows ``row_list[1 + j]`` of
+    the given ``values`` / ``ids``, which are returned."""
     splits, n, kp = top_v.shape
-    values = torch.empty(n, k, dtype=torch.float32, device=top_v.device)
-    ids = torch.empty(n, k, dtype=torch.int64, device=top_v.device)
+    if row_list is None:
+        values = torch.empty(n, k, dtype=torch.float32, device=top_v.device)
+        ids = torch.empty(n, k, dtype=torch.int64, device=top_v.device)
     width = _next_pow2(splits * k)
     rows, warps = _selection_shape(width)
     _merge_topk_kernel[(triton.cdiv(n, rows),)](
-        top_v, top_i, values, ids, n, splits, vocab, K=k, KP=kp, W=width, R=rows, num_warps=warps
+        top_v,
+        top_i,
+        values,
+        ids,
+        row_list if row_list is not None else top_i,
+        n,
+        splits,
+        vocab,
+        K=k,
+        KP=kp,
+        W=width,
+        R=rows,
+        ROW_LIST=row_list is not None,
+        num_warps=warps,
     )
     return values, ids
 

@@ -50,13 +50,12 @@ Paths:
       recomputes the logits of a vocabulary slice in a fused kernel that writes ``d_logits`` in
       the input dtype, then cuBLAS forms the slice's ``grad_weight`` rows (one GEMM, K = n) and
       adds its ``grad_hidden`` share into the fp32 accumulator. Everything runs on the current
-      stream without host syncs, so CUDA graphs capture it, except one: with ``k > 0`` the
-      forward's top-k is taken over grouped candidates, the rows where that could miss
-      something (random logits, k = 20: 0.01-0.1% of rows) are selected again from their
-      logits' order keys, all queued on the device, and the host then reads how many rows that
-      was (more than ``reselect_ahead``: those are redone after the read). Under a CUDA graph
-      capture the forward selects over every element instead (exact, no host read, slower);
-      ``set_kernel_config("fwd_topk", grouped=False)`` does so always.
+      stream without host syncs, so CUDA graphs capture it. With ``k > 0`` the forward's top-k
+      is taken over grouped candidates; the rows where that could miss something (random
+      logits, k = 20: 0.01-0.1% of rows) are selected again over every element, with launches
+      that do not depend on how many rows that is (``_reselect_into``: the host never reads
+      it). ``set_kernel_config("fwd_topk", grouped=False)`` selects over every element from the
+      start (exact, slower).
     * CUDA fallback: ``k > 64`` in the forward (the kernel keeps the running top-k in
       registers) runs the torch path on the GPU, on cuBLAS logits with fp32 output, in chunks of
       rows; so does everything when Triton cannot be imported (one warning).
@@ -96,10 +95,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KERNEL_MAX_K = 64
 _FWD_CHUNK_BYTES = 256 << 20
 _BWD_SLICE_BYTES = 512 << 20
-# The exact re-selection of the grouped top-k's leftover rows through logit keys: at most this
-# many rows (more go to the every-element kernel), int64 keys of at most this many bytes at once.
-_RESELECT_ROWS = 256
+# The exact re-selection of the grouped top-k's leftover rows: int64 logit keys of at most this
+# many bytes (the first flagged rows), then per-split top-k slots of at most this many bytes for
+# the every-element kernel's row-list launch (any further rows).
 _RESELECT_BYTES = 128 << 20
+_LISTED_BYTES = 64 << 20
 
 # Tile configurations of the Triton kernels (H200 sweep in NOTES.md "Head kernels").
 # ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
@@ -110,8 +110,8 @@ _CONFIG = {
     "fwd": dict(_TILE, GROUP=8, flatten=True),
     # passes: selection passes per tile (0: as many as the tile needs, in a loop that keeps Triton
     # from fusing the tile loop); pass_cost: one pass in tiles of matmul, for the split model.
-    # reselect_ahead: rows re-selected over every element whose logit keys the device computes
-    # before the host reads how many rows need it (see _reselect_into).
+    # reselect_ahead: how many flagged rows are re-selected through logit keys (one read of the
+    # weight for all of them); any further ones go to the every-element kernel (_reselect_into).
     "fwd_topk": dict(
         _TILE,
         GROUP=8,
@@ -352,7 +352,7 @@ def forward_splits(n: int, vocab: int, k: int, slots: int, grouped: Optional[boo
     if cfg.get("splits"):
         return int(cfg["splits"])
     if grouped is None:
-        grouped = _grouped_topk(k, None)
+        grouped = _grouped_topk(k)
     # The model's search costs ~40-70 us of Python, which a GPU waiting on the launch would see:
     # memoised on everything it reads.
     return _splits_for(
@@ -385,15 +385,10 @@ def _splits_for(n, vocab, k, slots, grouped, bm, bn, pass_cost, passes):
     return -(-tiles // per)
 
 
-def _grouped_topk(k: int, device: Optional[torch.device]) -> bool:
-    """Whether the forward's top-k takes grouped candidates (the configured default), or every
-    element. Grouped candidates need a host read of how many rows to redo, which a CUDA graph
-    capture cannot do: captures select over every element."""
-    if not k or not _CONFIG["fwd_topk"].get("grouped"):
-        return False
-    if device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
+def _grouped_topk(k: int) -> bool:
+    """Whether the forward's top-k takes grouped candidates (the configured default) or every
+    element."""
+    return bool(k) and bool(_CONFIG["fwd_topk"].get("grouped"))
 
 
 def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
@@ -410,7 +405,7 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     cfg = _CONFIG["fwd_topk" if k else "fwd"]
     hidden, weight = _row_major(hidden), _row_major(weight)
     if grouped is None:
-        grouped = _grouped_topk(k, hidden.device)
+        grouped = _grouped_topk(k)
     splits = forward_splits(n, vocab, k, slots, grouped)
     # Per split: [max | sum_exp | target (| largest logit not offered)], then the top-k slots.
     part = torch.empty(splits, 4 if grouped else 3, n, dtype=torch.float32, device=hidden.device)
@@ -428,39 +423,35 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     return row_max, sum_exp, target_logit, values, ids
 
 
-def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg) -> int:
+def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg) -> torch.Tensor:
     """Overwrites the top-k ``values`` / ``ids`` of the rows flagged in the bool ``[n]`` mask
-    ``redo`` with their exact top-k over every element; returns how many rows that was.
+    ``redo`` with their exact top-k over every element; returns the int32 ``[1]`` device count
+    of those rows. No host read: whatever the count, the launches are the same.
 
-    One host read: that count. Everything for the first ``cfg["reselect_ahead"]`` flagged rows
-    is queued before it, with no host read (``nonzero_static``, a count kept on the device, and
-    kernels that stop at it: the logit keys, their top-k, written straight into the flagged
-    rows), so the GPU works while the host waits, and nothing is left to launch after the read
-    unless more rows were flagged (then ``_reselect`` takes the rest).
+    * the first ``ahead = min(n, cfg["reselect_ahead"], what fits _RESELECT_BYTES of keys)``
+      flagged rows: the forward's tile code writes their logits' order keys and a chunked top-k
+      picks the k largest, written straight into their rows (one read of the weight for all of
+      them; kernels that stop at the device-side count);
+    * any further ones (``_select_listed``): the every-element forward kernel over a list of
+      rows whose length only the device knows.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     width = _vocab_triton.key_columns(vocab, cfg)
     ahead = min(n, int(cfg.get("reselect_ahead", 0)), _RESELECT_BYTES // (8 * width))
+    count = redo.sum(dtype=torch.int32).reshape(1)
+    flagged = torch.nonzero_static(redo, size=n, fill_value=0).squeeze(1)
     if ahead:
-        first = torch.nonzero_static(redo, size=ahead, fill_value=0).squeeze(1)
-        count = redo.sum(dtype=torch.int32).reshape(1)
+        first = flagged[:ahead]
         keys = torch.empty(ahead, width, dtype=torch.int64, device=hidden.device)
         rows = hidden.index_select(0, first)
         _vocab_triton.logit_keys(rows, weight, keys, _keys_tile(cfg), slots, count)
         # The grouped selection's k-th value is a floor for the exact one: k logits reach it.
         floor = values[:, k - 1]
         _vocab_triton.topk_of_keys(keys, count, k, vocab, first, values, ids, floor)
-        m = int(count.item())
-        if m <= ahead:
-            return m
-    which = redo.nonzero().squeeze(1)
-    # Ascending, like nonzero_static: the first `ahead` flagged rows are already written.
-    rest = which[ahead:]
-    if rest.numel():
-        exact_v, exact_i = _reselect(hidden.index_select(0, rest), weight, k, slots)
-        values.index_copy_(0, rest, exact_v)
-        ids.index_copy_(0, rest, exact_i)
-    return which.numel()
+    if ahead < n:
+        more = (count - ahead).clamp_(min=0).to(torch.int64)
+        _select_listed(hidden, weight, torch.cat([more, flagged[ahead:]]), values, ids, k, cfg)
+    return count
 
 
 def _keys_tile(cfg):
@@ -472,35 +463,31 @@ def _keys_tile(cfg):
     return cfg
 
 
-def _reselect(hidden, weight, k, slots):
-    """The exact top-k over every element of a few rows (the grouped selection's leftovers):
-    fp32 ``[m, k]`` values and int64 ``[m, k]`` ids, as the every-element forward would give them.
+def _listed_splits(m: int, vocab: int, k: int, cfg) -> int:
+    """Vocabulary splits of a row-list launch for up to ``m`` rows: as many as keep its per-split
+    top-k slots within ``_LISTED_BYTES`` (at most 16), so the few rows it usually has still
+    spread over many programs."""
+    kp = _vocab_triton._next_pow2(max(k, 2))
+    tiles = -(-vocab // cfg["BN"])
+    return max(1, min(16, tiles, _LISTED_BYTES // max(1, m * kp * 8)))
 
-    Up to ``_RESELECT_ROWS`` rows: the forward's tile code writes the logits' order keys
-    (``_vocab_triton.logit_keys``, at most ``_RESELECT_BYTES`` a chunk of rows) and
-    ``_vocab_triton.topk_of_keys`` picks the k largest. One pass over the weight (the floor for a
-    few rows) against the every-element kernel's ~20 selection passes on each split's first
-    tiles (H200, 18 rows: RESULTS.md "Session 6"). More rows: the every-element forward kernel.
-    """
-    m, vocab = hidden.shape[0], weight.shape[0]
-    cfg = _CONFIG["fwd_topk"]
-    if m > _RESELECT_ROWS:
-        out = _stats_kernel(hidden, weight, None, k, slots, False)
-        return out[3], out[4]
+
+def _select_listed(hidden, weight, row_list, values, ids, k, cfg) -> None:
+    """The exact top-k over every element of the rows ``row_list[1 : 1 + c]`` (int64 ``[1 + m]``,
+    ``c = row_list[0]`` known only to the device), into those rows of ``values`` / ``ids``: the
+    every-element forward kernel over the listed rows, launched for all ``m`` (blocks past ``c``
+    stop at once), then the split merge straight into the rows."""
+    m, vocab = row_list.shape[0] - 1, weight.shape[0]
+    splits = _listed_splits(m, vocab, k, cfg)
+    kp = _vocab_triton._next_pow2(max(k, 2))
     dev = hidden.device
-    width = _vocab_triton.key_columns(vocab, cfg)
-    step = max(1, min(m, _RESELECT_BYTES // (8 * width)))
-    values = torch.empty(m, k, dtype=torch.float32, device=dev)
-    ids = torch.empty(m, k, dtype=torch.int64, device=dev)
-    keys = torch.empty(step, width, dtype=torch.int64, device=dev)
-    for r0 in range(0, m, step):
-        r1 = min(r0 + step, m)
-        # A device-side count (a fill, not a copy from the host: no sync).
-        count = torch.full((1,), r1 - r0, dtype=torch.int32, device=dev)
-        _vocab_triton.logit_keys(hidden[r0:r1], weight, keys[: r1 - r0], _keys_tile(cfg), slots)
-        rows = torch.arange(r0, r1, device=dev)
-        _vocab_triton.topk_of_keys(keys[: r1 - r0], count, k, vocab, rows, values, ids)
-    return values, ids
+    part = torch.empty(splits, 3, m, dtype=torch.float32, device=dev)
+    top_v = torch.empty(splits, m, kp, dtype=torch.float32, device=dev)
+    top_i = torch.empty(splits, m, kp, dtype=torch.int32, device=dev)
+    _vocab_triton.launch_stats_fwd(
+        hidden, weight, None, k, part, top_v, top_i, splits, cfg, False, row_list
+    )
+    _vocab_triton.merge_topk(top_v, top_i, k, vocab, row_list, values, ids)
 
 
 def _combine_splits(part, top_v, top_i, k, vocab):
