@@ -125,6 +125,23 @@ def _random_backward_args(n, vocab, m, gen, dup=True):
     return row_max_src, grad_sum_exp, ids, grad_ids
 
 
+# Two roundings (d_logits once, the product once) of the terms' magnitudes, per dtype.
+TERM_TOL = {torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11, torch.float32: 1e-5}
+
+
+def _term_magnitudes(hidden, weight, row_max, grad_sum_exp, ids, grad_ids):
+    """fp64 ``|d_logits| @ |weight|`` and ``|d_logits|.T @ |hidden|``, ``d_logits`` by its
+    definition (see ``backward_fp64``): the magnitudes of the gradient products' terms."""
+    h, w = hidden.double(), weight.double()
+    vocab = w.shape[0]
+    d = grad_sum_exp.double()[:, None] * torch.exp(h @ w.t() - row_max.double()[:, None])
+    if ids.numel():
+        here = (ids >= 0) & (ids < vocab)
+        picked = torch.where(here, grad_ids.double(), 0.0)
+        d.scatter_add_(1, ids.clamp(0, max(vocab - 1, 0)), picked)
+    return d.abs() @ w.abs(), d.abs().t() @ h.abs()
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(0, 33),
@@ -144,12 +161,20 @@ def test_backward_matches_fp64_autograd(n, vocab, width, m, dtype, chunk, want, 
         hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk, *want
     )
     ref_h, ref_w = backward_fp64(hidden, weight, row_max, grad_sum_exp, ids, grad_ids)
-    for got, ref, wanted, like in ((gh, ref_h, want[0], hidden), (gw, ref_w, want[1], weight)):
+    # A once-rounded d_logits leaves an error relative to the magnitudes of each product's terms
+    # (|d| @ |w|, |d|.T @ |h|), which cancellation can make far larger than the result
+    # (hypothesis found n = 30, V = 1, H = 1 in bf16: 0.125 of the result). So a result within
+    # GRAD_TOL of the reference passes, and so does one within a few roundings of the terms.
+    scale_h, scale_w = _term_magnitudes(hidden, weight, row_max, grad_sum_exp, ids, grad_ids)
+    pairs = ((gh, ref_h, scale_h, want[0], hidden), (gw, ref_w, scale_w, want[1], weight))
+    for got, ref, scale, wanted, like in pairs:
         if not wanted:
             assert got is None
             continue
         assert got.dtype == like.dtype and got.shape == like.shape
-        assert rel_err(got, ref) <= GRAD_TOL[dtype], rel_err(got, ref)
+        err = rel_err(got, ref)
+        of_terms = (got.double() - ref).norm().item() / max(scale.norm().item(), 1e-300)
+        assert err <= GRAD_TOL[dtype] or of_terms <= TERM_TOL[dtype], (err, of_terms)
 
 
 def test_backward_duplicates_and_outside_ids():
