@@ -781,15 +781,15 @@ def launch_stats_fwd(
     # A listed row block is not a run of rows a descriptor could load.
     use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight) and row_list is None
     h_desc, w_desc = _descriptors(hidden, weight, bm, bn, bk, use_tma)
-    if row_list is not None:
-        assert target is None, "a row-list launch takes no target"
-        target = row_list
+    assert row_list is None or target is None, "a row-list launch takes no target"
+    # A row list travels in the target's slot; with neither, the slot gets an unused pointer.
+    slot = row_list if row_list is not None else target if target is not None else hidden
     _stats_fwd_kernel[grid](
         hidden,
         weight,
         h_desc,
         w_desc,
-        target if target is not None else hidden,
+        slot,
         part,
         topv,
         topi,
@@ -802,7 +802,7 @@ def launch_stats_fwd(
         splits,
         K=k,
         KP=kp,
-        HAS_TARGET=target is not None and row_list is None,
+        HAS_TARGET=target is not None,
         BM=bm,
         BN=bn,
         BK=bk,

@@ -391,6 +391,18 @@ def _grouped_topk(k: int) -> bool:
     return bool(k) and bool(_CONFIG["fwd_topk"].get("grouped"))
 
 
+def _split_buffers(splits: int, parts: int, n: int, k: int, device):
+    """The forward kernel's per-split outputs for ``n`` rows: fp32 ``[splits, parts, n]`` (max |
+    sum_exp | target (| largest logit not offered)), then the top-k slots, fp32 and int32
+    ``[splits, n, KP]`` (``KP`` the power of two the kernel keeps, 0 without a top-k)."""
+    kp = _vocab_triton._next_pow2(max(k, 2)) if k else 0
+    return (
+        torch.empty(splits, parts, n, dtype=torch.float32, device=device),
+        torch.empty(splits, n, kp, dtype=torch.float32, device=device),
+        torch.empty(splits, n, kp, dtype=torch.int32, device=device),
+    )
+
+
 def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     """The Triton forward plus the tiny combine of the splits' partial results.
 
@@ -407,11 +419,7 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     if grouped is None:
         grouped = _grouped_topk(k)
     splits = forward_splits(n, vocab, k, slots, grouped)
-    # Per split: [max | sum_exp | target (| largest logit not offered)], then the top-k slots.
-    part = torch.empty(splits, 4 if grouped else 3, n, dtype=torch.float32, device=hidden.device)
-    kp = _vocab_triton._next_pow2(max(k, 2)) if k else 0
-    top_v = torch.empty(splits, n, kp, dtype=torch.float32, device=hidden.device)
-    top_i = torch.empty(splits, n, kp, dtype=torch.int32, device=hidden.device)
+    part, top_v, top_i = _split_buffers(splits, 4 if grouped else 3, n, k, hidden.device)
     _vocab_triton.launch_stats_fwd(
         hidden, weight, target, k, part, top_v, top_i, splits, cfg, grouped
     )
@@ -479,11 +487,7 @@ def _select_listed(hidden, weight, row_list, values, ids, k, cfg) -> None:
     stop at once), then the split merge straight into the rows."""
     m, vocab = row_list.shape[0] - 1, weight.shape[0]
     splits = _listed_splits(m, vocab, k, cfg)
-    kp = _vocab_triton._next_pow2(max(k, 2))
-    dev = hidden.device
-    part = torch.empty(splits, 3, m, dtype=torch.float32, device=dev)
-    top_v = torch.empty(splits, m, kp, dtype=torch.float32, device=dev)
-    top_i = torch.empty(splits, m, kp, dtype=torch.int32, device=dev)
+    part, top_v, top_i = _split_buffers(splits, 3, m, k, hidden.device)
     _vocab_triton.launch_stats_fwd(
         hidden, weight, None, k, part, top_v, top_i, splits, cfg, False, row_list
     )
