@@ -395,6 +395,22 @@ def test_slice_width_is_balanced_and_bounded():
     assert vocab_ops._slice_width(100, 50, 7, 2, 256) == 7
 
 
+def test_fp32_inputs_take_the_fp32_tile(monkeypatch):
+    # fp32 products run on the CUDA cores, where the tensor-core tile takes minutes to build: the
+    # "fp32" entries replace the tile of every kernel for them, and only for them.
+    for name in ("fwd", "fwd_topk", "bwd"):
+        monkeypatch.setitem(vocab_ops._CONFIG, name, vocab_ops.kernel_config(name))
+        vocab_ops.set_kernel_config(name, passes=7)
+        fp32 = vocab_ops._config(name, torch.float32)
+        assert {key: fp32[key] for key in vocab_ops.kernel_config("fp32")} == (
+            vocab_ops.kernel_config("fp32")
+        )
+        assert fp32["passes"] == 7
+        for dtype in (torch.bfloat16, torch.float16):
+            assert vocab_ops._config(name, dtype) == vocab_ops.kernel_config(name)
+    assert vocab_ops.kernel_config("fp32")["BN"] != vocab_ops.kernel_config("fwd")["BN"]
+
+
 @pytest.mark.skipif(vocab_ops._vocab_triton is None, reason="needs Triton")
 def test_split_model_follows_config_changes(monkeypatch):
     # The split count is memoised on the config values it reads: a change must reach it.
@@ -408,3 +424,6 @@ def test_split_model_follows_config_changes(monkeypatch):
     # Few row blocks may use more splits than the default cap of 64.
     vocab_ops.set_kernel_config("fwd", splits=None, BN=256)
     assert vocab_ops.forward_splits(100, 151936, 0, 132) > 64
+    # fp32 inputs: the model sees their tile (64 x 64: 4 times the row blocks and tiles).
+    fp32 = vocab_ops.forward_splits(20436, 151936, 0, 132, dtype=torch.float32)
+    assert fp32 == vocab_ops._vocab_triton.choose_splits(320, 2374, 132, 0)

@@ -187,13 +187,22 @@ def test_reselection_gives_the_every_element_bits(vocab, k, loading):
     ahead, and a row list longer than one block) returns the every-element forward's values and
     ids bit for bit, into the flagged rows only; k above the vocabulary pads with -inf and id -1.
     """
-    hidden, weight, _ = _inputs(300, vocab, 256, torch.bfloat16, 31 + vocab)
+    _check_reselection(*_inputs(300, vocab, 256, torch.bfloat16, 31 + vocab)[:2], k)
+
+
+def test_reselection_gives_the_every_element_bits_fp32():
+    """The same for fp32 inputs, which take their own tile (``_CONFIG["fp32"]``) on every path."""
+    _check_reselection(*_inputs(300, 5003, 256, torch.float32, 17)[:2], 20)
+
+
+def _check_reselection(hidden, weight, k):
+    vocab = weight.shape[0]
     slots = vocab_ops._sm_count(hidden.device)
     every = vocab_ops._stats_kernel(hidden, weight, None, k, slots, False)
     if k > vocab:
         assert torch.all(every[4][:, vocab:] == -1)
         assert torch.all(every[3][:, vocab:] == float("-inf"))
-    cfg = vocab_ops.kernel_config("fwd_topk")
+    cfg = vocab_ops._config("fwd_topk", hidden.dtype)
     for flagged in ([0, 5, 77, 128, 299], list(range(0, 300, 2))):
         mask = torch.zeros(300, dtype=torch.bool, device="cuda")
         mask[flagged] = True

@@ -26,7 +26,7 @@ import torch
 from _vocab_watch import reselected_rows
 from megatron.context_parallel import vocab_ops as vo
 
-for name in ("fwd", "fwd_topk", "bwd"):
+for name in ("fwd", "fwd_topk", "bwd", "fp32"):
     vo.set_kernel_config(name, BM=16, BN=16, BK=16, warps=4, stages=1, GROUP=2, tma=False)
 gen = torch.Generator().manual_seed(0)
 cases = [

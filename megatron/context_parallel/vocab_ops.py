@@ -104,7 +104,8 @@ _LISTED_BYTES = 64 << 20
 # Tile configurations of the Triton kernels (H200 sweep in NOTES.md "Head kernels").
 # ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
 # that picks the number of vocabulary splits.
-# All three share one tile: 128x256x64, 8 warps, 3 stages, operands through tensor descriptors.
+# All three share one tile: 128x256x64, 8 warps, 3 stages, operands through tensor descriptors
+# (fp16 / bf16 inputs; fp32 inputs take the "fp32" entries instead).
 _TILE = dict(BM=128, BN=256, BK=64, warps=8, stages=3, ctas_per_sm=1, tma=True)
 _CONFIG = {
     "fwd": dict(_TILE, GROUP=8, flatten=True),
@@ -123,12 +124,24 @@ _CONFIG = {
         reselect_ahead=128,
     ),
     "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True),
+    # fp32 inputs: replaces the tile entries of the three above. Their products run on the CUDA
+    # cores (IEEE fp32 fmas), where Triton 3.6 takes ~150 s to build the 128x256 forward with a
+    # top-k (it spills heavily) and ~8 s for this tile. The fmas add along K in order whatever
+    # the tile, so every path still gives the same bits.
+    "fp32": dict(BM=64, BN=64, BK=32, warps=4, stages=3, tma=False),
 }
 
 
 def kernel_config(name: str) -> dict:
-    """A copy of the tile configuration ``name`` ("fwd", "fwd_topk" or "bwd")."""
+    """A copy of the tile configuration ``name`` ("fwd", "fwd_topk", "bwd" or "fp32")."""
     return dict(_CONFIG[name])
+
+
+def _config(name: str, dtype: torch.dtype) -> dict:
+    """The configuration kernel ``name`` runs with for inputs of ``dtype``."""
+    if dtype == torch.float32:
+        return dict(_CONFIG[name], **_CONFIG["fp32"])
+    return _CONFIG[name]
 
 
 def set_kernel_config(name: str, **cfg) -> None:
@@ -142,7 +155,8 @@ def set_kernel_config(name: str, **cfg) -> None:
     persistent ("bwd": one program per slot walking the tiles), tma_store ("bwd": ``d_logits``
     written through a tensor descriptor); "fwd_topk" only: grouped (candidates per column group,
     or every element), G (column groups per tile), passes (selection passes per tile, 0: as many
-    as needed), pass_cost (split model), reselect_ahead (see ``_reselect_into``).
+    as needed), pass_cost (split model), reselect_ahead (see ``_reselect_into``); "fp32": the
+    tile entries that replace the others' for fp32 inputs.
     """
     if name not in _CONFIG:
         raise ValueError(f"unknown kernel config {name!r}; expected one of {sorted(_CONFIG)}")
@@ -344,11 +358,18 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward_splits(n: int, vocab: int, k: int, slots: int, grouped: Optional[bool] = None) -> int:
+def forward_splits(
+    n: int,
+    vocab: int,
+    k: int,
+    slots: int,
+    grouped: Optional[bool] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
     """Vocabulary splits per row block the forward kernel uses for this shape (``grouped``: the
     top-k selection over grouped candidates or over every element; None for the configured
-    one)."""
-    cfg = _CONFIG["fwd_topk" if k else "fwd"]
+    one; ``dtype``: the inputs', which picks the tile)."""
+    cfg = _config("fwd_topk" if k else "fwd", dtype)
     if cfg.get("splits"):
         return int(cfg["splits"])
     if grouped is None:
@@ -414,11 +435,11 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     element by ``_reselect_into``.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
-    cfg = _CONFIG["fwd_topk" if k else "fwd"]
+    cfg = _config("fwd_topk" if k else "fwd", hidden.dtype)
     hidden, weight = _row_major(hidden), _row_major(weight)
     if grouped is None:
         grouped = _grouped_topk(k)
-    splits = forward_splits(n, vocab, k, slots, grouped)
+    splits = forward_splits(n, vocab, k, slots, grouped, hidden.dtype)
     part, top_v, top_i = _split_buffers(splits, 4 if grouped else 3, n, k, hidden.device)
     _vocab_triton.launch_stats_fwd(
         hidden, weight, target, k, part, top_v, top_i, splits, cfg, grouped
@@ -537,7 +558,7 @@ def _backward_kernel(
     grad_h, grad_w = _backward_outputs(hidden, weight, want_h, want_w, main_grad)
     if n == 0 or vocab == 0 or not (want_h or want_w):
         return grad_h, grad_w
-    cfg = _CONFIG["bwd"]
+    cfg = _config("bwd", hidden.dtype)
     bn = cfg["BN"]
     hidden, weight = _row_major(hidden), _row_major(weight)
     width = _slice_width(n, vocab, chunk_size, hidden.element_size(), bn)
