@@ -417,12 +417,14 @@ def test_split_model_follows_config_changes(monkeypatch):
     monkeypatch.setitem(vocab_ops._CONFIG, "fwd", vocab_ops.kernel_config("fwd"))
     before = vocab_ops.forward_splits(20436, 151936, 0, 132)
     assert vocab_ops.forward_splits(20436, 151936, 0, 132) == before
-    vocab_ops.set_kernel_config("fwd", BN=128)
-    assert (before, vocab_ops.forward_splits(20436, 151936, 0, 132)) == (9, 14)
+    vocab_ops.set_kernel_config("fwd", ctas_per_sm=2)
+    assert (before, vocab_ops.forward_splits(20436, 151936, 0, 132)) == (33, 54)
+    # With a top-k the model leaves out the ragged end (the merge grows with the splits).
+    assert vocab_ops.forward_splits(20436, 151936, 20, 132) == 9
     vocab_ops.set_kernel_config("fwd", splits=5)
     assert vocab_ops.forward_splits(20436, 151936, 0, 132) == 5
     # Few row blocks may use more splits than the default cap of 64.
-    vocab_ops.set_kernel_config("fwd", splits=None, BN=256)
+    vocab_ops.set_kernel_config("fwd", splits=None, ctas_per_sm=1)
     assert vocab_ops.forward_splits(100, 151936, 0, 132) > 64
     # fp32 inputs: the model sees their tile (64 x 64: 4 times the row blocks and tiles).
     fp32 = vocab_ops.forward_splits(20436, 151936, 0, 132, dtype=torch.float32)

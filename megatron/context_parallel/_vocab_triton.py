@@ -734,6 +734,7 @@ def choose_splits(
     k: int = 0,
     max_splits: int = 64,
     pass_cost: float = 0.05,
+    ragged_end: bool = True,
 ) -> int:
     """Vocabulary splits per row block that minimise the modelled run time.
 
@@ -743,14 +744,21 @@ def choose_splits(
     logits (128 rows, 256 columns, k = 20) gives about ``2.2 * k * sqrt(L)`` passes per split of
     ``L`` tiles; one pass over a whole tile costs about 5% of its matmul (H200, H = 5120), one
     over grouped candidates about 1% (``pass_cost``; session 4 probe). Starting a program
-    (pipeline fill, partial-result stores) is counted as a quarter tile. Ties go to fewer splits.
+    (pipeline fill, partial-result stores) is counted as a quarter tile. ``ragged_end``: the waves
+    do not run in lockstep; programs finish at scattered times, and the launch ends about one
+    program's length after its work would fill the slots evenly, so one program is counted on
+    top (H200, ``benchmarks/probe_splits.py``, the kernel alone: with it the model picks the
+    fastest measured split count, or one within 0.5% of it, at all four benchmark shapes with
+    and without a top-k; without it, counts 1-5% slower at three of them). Ties go to fewer
+    splits.
     """
     best, best_cost = 1, None
     for splits in range(1, max(1, min(tiles, max_splits)) + 1):
         per = -(-tiles // splits)
         waves = -(-(row_blocks * splits) // slots)
         passes = min(per * k, 2.2 * k * per**0.5)
-        cost = waves * (per + 0.25 + pass_cost * passes)
+        program = per + pass_cost * passes
+        cost = waves * (program + 0.25) + (program if ragged_end else 0.0)
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best

@@ -396,6 +396,11 @@ def _splits_for(n, vocab, k, slots, grouped, bm, bn, pass_cost, passes):
     # Grouped passes are cheaper than choose_splits' default (a pass over a whole tile); a fixed
     # number of them per tile costs the same whatever the split, like no top-k at all.
     extra = {"pass_cost": pass_cost} if grouped and pass_cost is not None else {}
+    # The ragged end favours many short programs, but with a top-k every split adds k slots a
+    # row to the merge, which the model does not count: measured (H200, RESULTS.md "Session 8"),
+    # the top-20 call at 8,192 x 37,984 ran 0.04-0.06 GEMMs slower with the 30 splits it then
+    # picked than with 2, so the top-k is modelled without it.
+    extra["ragged_end"] = not k
     if grouped and passes:
         k = 0
     # A few row blocks (small batches) may use more splits than the default cap, to fill the
