@@ -126,8 +126,8 @@ _CONFIG = {
     "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True),
     # fp32 inputs: replaces the tile entries of the three above. Their products run on the CUDA
     # cores (IEEE fp32 fmas), where Triton 3.6 takes ~150 s to build the 128x256 forward with a
-    # top-k (it spills heavily) and ~8 s for this tile. The fmas add along K in order whatever
-    # the tile, so every path still gives the same bits.
+    # top-k (it spills heavily) and ~8 s for this tile. The forward, the logit keys and the row
+    # list all take it, so the re-selection still gives the forward's bits (GPU test).
     "fp32": dict(BM=64, BN=64, BK=32, warps=4, stages=3, tma=False),
 }
 
