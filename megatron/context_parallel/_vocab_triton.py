@@ -56,8 +56,12 @@ _BIG = tl.constexpr(2147483647)
 
 @triton.jit
 def _tile_logits(
-    a_ptrs,
-    b_ptrs,
+    h_ptr,
+    w_ptr,
+    rows_ld,
+    cols_ld,
+    stride_h,
+    stride_w,
     h_desc,
     w_desc,
     row0,
@@ -74,7 +78,8 @@ def _tile_logits(
     """fp32 ``[BM, BN]`` logits: hidden rows ``row0..`` dot weight rows ``col0..`` over ``H``.
 
     With ``USE_TMA`` the tiles come through tensor descriptors (the copy engine zero-fills rows
-    past the end); otherwise through ``[BM, BK]`` / ``[BN, BK]`` pointer blocks. With
+    past the end); otherwise through ``[BM, BK]`` / ``[BN, BK]`` pointer blocks at the int64
+    hidden rows ``rows_ld`` and weight rows ``cols_ld`` (callers keep them in range). With
     ``PROMOTE`` each ``BK`` block's product is summed by the tensor cores from zero and added to the
     running sum with ordinary (round-to-nearest) fp32 adds: the tensor cores' accumulation into a
     large running sum is less exact than IEEE fp32 (measured: NOTES.md "Head kernels"), at the
@@ -82,6 +87,8 @@ def _tile_logits(
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     rk = tl.arange(0, BK)
+    a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
+    b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
     for k0 in range(0, H, BK):
         if USE_TMA:
             a = h_desc.load([row0, k0])
@@ -283,8 +290,6 @@ def _stats_fwd_kernel(
         # those rows are never stored.
         rows_ld = (rows % n).to(tl.int64)
         n_out = n
-    rk = tl.arange(0, BK)
-    a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
 
     num_tiles = tl.cdiv(V, BN)
     tile_lo = split * tiles_per_split
@@ -318,10 +323,13 @@ def _stats_fwd_kernel(
     for tile in tl.range(tile_lo, tile_hi, flatten=FLATTEN):
         cols = tile * BN + tl.arange(0, BN)
         cols_ld = (cols % V).to(tl.int64)
-        b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
         acc = _tile_logits(
-            a_ptrs,
-            b_ptrs,
+            h_ptr,
+            w_ptr,
+            rows_ld,
+            cols_ld,
+            stride_h,
+            stride_w,
             h_desc,
             w_desc,
             r * BM,
@@ -445,7 +453,6 @@ def _dlogits_kernel(
     num_r = tl.cdiv(n, BM)
     num_c = tl.cdiv(width, BN)
     per_group = GROUP_R * num_c
-    rk = tl.arange(0, BK)
     for t in tl.range(pid, num_r * num_c, num_progs, flatten=FLATTEN):
         first_r = (t // per_group) * GROUP_R
         size_r = tl.minimum(num_r - first_r, GROUP_R)
@@ -457,11 +464,13 @@ def _dlogits_kernel(
         local_cols = c * BN + tl.arange(0, BN)
         cols = v0 + local_cols
         cols_ld = (cols % V).to(tl.int64)
-        a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
-        b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
         acc = _tile_logits(
-            a_ptrs,
-            b_ptrs,
+            h_ptr,
+            w_ptr,
+            rows_ld,
+            cols_ld,
+            stride_h,
+            stride_w,
             h_desc,
             w_desc,
             r * BM,
@@ -658,7 +667,6 @@ def _logit_keys_kernel(
     # limit, with Triton 3.6 for sm_90.)
     pid = tl.program_id(0)
     num_r = tl.cdiv(n, BM)
-    rk = tl.arange(0, BK)
     for t in range(pid, num_r * tl.cdiv(V, BN), num_progs):
         r = t % num_r
         c = t // num_r
@@ -666,11 +674,13 @@ def _logit_keys_kernel(
         rows_ld = (rows % n).to(tl.int64)
         cols = c * BN + tl.arange(0, BN)
         cols_ld = (cols % V).to(tl.int64)
-        a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
-        b_ptrs = w_ptr + cols_ld[:, None] * stride_w + rk[None, :]
         acc = _tile_logits(
-            a_ptrs,
-            b_ptrs,
+            h_ptr,
+            w_ptr,
+            rows_ld,
+            cols_ld,
+            stride_h,
+            stride_w,
             h_desc,
             w_desc,
             r * BM,
