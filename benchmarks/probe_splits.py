@@ -18,22 +18,9 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 from bench_head import time_round_robin  # noqa: E402
+from probe_topk import dev, launch, slots  # noqa: E402
 
-from megatron.context_parallel import _vocab_triton, vocab_ops  # noqa: E402
-
-dev = torch.device("cuda")
-slots = vocab_ops._sm_count(dev)
-
-
-def launch(h, w, t, k, splits, **over):
-    """The forward kernel alone with the configured tile and ``over``."""
-    n = h.shape[0]
-    cfg = dict(vocab_ops.kernel_config("fwd_topk" if k else "fwd"), **over)
-    kp = _vocab_triton._next_pow2(max(k, 2)) if k else 0
-    part = torch.empty(splits, 4 if k else 3, n, device=dev)
-    tv = torch.empty(splits, n, kp, device=dev)
-    ti = torch.empty(splits, n, kp, device=dev, dtype=torch.int32)
-    return lambda: _vocab_triton.launch_stats_fwd(h, w, t, k, part, tv, ti, splits, cfg, bool(k))
+from megatron.context_parallel import vocab_ops  # noqa: E402
 
 
 def candidates(n, vocab, k):
