@@ -32,3 +32,28 @@ def test_bench_head_cpu_smoke():
     assert "| ours |" in bench.markdown([res])
     # Both timings are reported (on CPU the "queued" one has no GPU lead to hide behind).
     assert ours["fwd_gemms_queued"] > 0 and top["train_gemms_queued"] > 0
+
+
+def test_round_robin_runs_each_once_per_round_in_varying_order():
+    bench = _load_bench()
+    calls = []
+    fns = {name: (lambda n=name: calls.append(n)) for name in "abcde"}
+    ms, ratio = bench.time_round_robin(fns, torch.device("cpu"), reps=6, warmup=0, unit="a")
+    rounds = [calls[i : i + 5] for i in range(0, 30, 5)]
+    assert all(sorted(r) == list("abcde") for r in rounds)
+    # A fixed order would give each call the same neighbour every round.
+    assert len({tuple(r) for r in rounds}) > 1
+    assert set(ms) == set("abcde") and ratio["a"] == 1.0
+
+
+def test_cublas_floor_gradients_are_the_plain_products():
+    bench = _load_bench()
+    (floor,) = bench.make_methods(["cublas-floor"], [])
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(33, 16, generator=gen)
+    w = torch.randn(70, 16, generator=gen)
+    gh, gw = floor.train(h, w, None, None, None)
+    logits = h @ w.t()
+    assert torch.allclose(gh, logits @ w, atol=1e-4) and torch.allclose(
+        gw, logits.t() @ h, atol=1e-4
+    )
