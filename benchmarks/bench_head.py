@@ -606,10 +606,11 @@ def time_round_robin(fns, device, reps, warmup, unit=None, lead_ms=0.0, seed=0):
     returns, per name, the median over rounds of its time over ``unit``'s in the same round.
     ``lead_ms``: see ``time_ms`` (the unit gets the same lead).
 
-    Each round runs the calls in a new order (seeded): a call runs up to 14% slower after a
-    compute-bound neighbour than after a memory-bound one (the GPU's clock follows its power),
-    so a fixed order would give every method the same neighbour in every round and bias its
-    ratio (2026-12-03, fixed order: the unit GEMM timed against itself read 0.98-1.06)."""
+    Each round runs the calls in a new order (seeded): on the H200 the unit GEMM ran up to 14%
+    slower after compute-bound calls than after memory-bound ones (likely the clock following
+    the power draw), so a fixed order would give every method the same neighbour in every round
+    and bias its ratio (2026-12-03, fixed order: the unit GEMM timed against itself read
+    0.98-1.06)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
