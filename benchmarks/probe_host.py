@@ -12,9 +12,12 @@ work:
   at the host read, so only k = 0's is pure host time);
 
 then the pieces alone, back to back ("warm") and each right after a synchronisation ("cold"), in
-microseconds per call, and a cProfile of cold k = 0 calls sorted by own time.
+microseconds per call, and a cProfile of cold k = 0 calls sorted by own time. First, per shape
+("layers"): the microseconds from a cold k = 0 call to each layer's entry (the composition's
+``vocab_stats``, the op's CUDA implementation, the launch helper, Triton's launch and its return),
+and the whole cold call of an empty autograd Function, an empty custom op and one allocation.
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--calls 100]
+    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--calls 100] [--layers-only]
 """
 
 import argparse
@@ -162,12 +165,114 @@ def probe(n, vocab, calls, profile):
         print(cold_profile(lambda: shard_logprobs(h, w, labels, 0)))
 
 
+class _Stamp:
+    """Replaces ``owner.name`` (a function, or with ``kernel`` a Triton kernel) by a wrapper that
+    records when calls enter it (and, for a kernel, when its launch returns)."""
+
+    def __init__(self, owner, name, label, kernel=False):
+        self.owner, self.name, self.label, self.kernel = owner, name, label, kernel
+        self.real = getattr(owner, name)
+
+    def __enter__(self):
+        real, label = self.real, self.label
+        if self.kernel:
+
+            class Kernel:
+                def __getitem__(self, grid):
+                    launch = real[grid]
+
+                    def run(*args, **kwargs):
+                        _STAMPS.append((label, time.perf_counter()))
+                        out = launch(*args, **kwargs)
+                        _STAMPS.append(("launch returned", time.perf_counter()))
+                        return out
+
+                    return run
+
+            setattr(self.owner, self.name, Kernel())
+        else:
+
+            def wrapped(*args, **kwargs):
+                _STAMPS.append((label, time.perf_counter()))
+                return real(*args, **kwargs)
+
+            setattr(self.owner, self.name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.real)
+
+
+def layers(n, vocab, reps=15):
+    """Cold k = 0 calls of the one-shard composition: median microseconds from the call to each
+    layer's entry, then the same for an empty autograd Function and an empty custom op (what any
+    op built this way pays before its own code)."""
+    import _vocab_ref
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(n, 5120, device=dev, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(vocab, 5120, device=dev, generator=gen) * 2 / 5120**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device=dev, generator=gen)
+    stamps = [
+        (_vocab_ref, "vocab_stats", "vocab_stats entered"),
+        (vocab_ops, "_stats_kernel", "op dispatched (_stats_kernel)"),
+        (_vocab_triton, "launch_stats_fwd", "launch_stats_fwd entered"),
+        (_vocab_triton, "_stats_fwd_kernel", "Triton launch entered", True),
+    ]
+    rows = {}
+    wrappers = [_Stamp(*s) for s in stamps]
+    for wrapper in wrappers:
+        wrapper.__enter__()
+    try:
+        shard_logprobs(h, w, labels, 0)
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            busy()
+            _STAMPS.clear()
+            t0 = time.perf_counter()
+            shard_logprobs(h, w, labels, 0)
+            for label, t in _STAMPS:
+                rows.setdefault(label, []).append((t - t0) * 1e6)
+    finally:
+        for wrapper in reversed(wrappers):
+            wrapper.__exit__()
+    torch.cuda.synchronize()
+    print(f"\n{n} x {vocab}, k = 0, cold: microseconds from the call to")
+    for label, times in rows.items():
+        print(f"  {label:34s} {statistics.median(times):8.1f}")
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    lib = torch.library.Library("probe_host", "FRAGMENT")
+    lib.define("noop(Tensor x) -> Tensor")
+    lib.impl("noop", lambda x: x.view_as(x), "CUDA")
+    x = h.requires_grad_(False)
+    for name, fn in (
+        ("empty autograd Function", lambda: Empty.apply(w.requires_grad_(True))),
+        ("empty custom op", lambda: torch.ops.probe_host.noop(x)),
+        ("torch.empty", lambda: torch.empty(8, 3, n, device=dev)),
+    ):
+        fn()
+        print(f"  {name:34s} {cold_us(fn):8.1f} (whole call)")
+    w.requires_grad_(False)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--layers-only", action="store_true")
     args = parser.parse_args()
     for n, vocab in [(8192, 37984), (20436, 151936)]:
-        probe(n, vocab, args.calls, profile=n == 8192)
+        layers(n, vocab)
+        if not args.layers_only:
+            probe(n, vocab, args.calls, profile=n == 8192)
         torch.cuda.empty_cache()
 
 
