@@ -205,8 +205,8 @@ class _Stamp:
 
 def layers(n, vocab, reps=15):
     """Cold k = 0 calls of the one-shard composition: median microseconds from the call to each
-    layer's entry, then the same for an empty autograd Function and an empty custom op (what any
-    op built this way pays before its own code)."""
+    layer's entry; then the whole cold call of an empty autograd Function and of an empty custom
+    op (what any op built this way pays before its own code) and of one allocation."""
     import _vocab_ref
 
     gen = torch.Generator(device=dev).manual_seed(0)
