@@ -13,7 +13,9 @@ TP-4 shard computed as one rank would), side by side in one run:
 * ``cublas-floor`` (not a head, not in the default list): cuBLAS doing only ours's matmuls in
   ours's backward slices, with ``dH`` summed in fp32: what keeping no logits, ours's memory
   budget and the precision rule cost before any softmax work (its memory column is not a budget
-  figure: its forward's full logits exist for a moment).
+  figure: its forward's full logits exist for a moment);
+* ``gemm-x4`` (not a head, not in the default list): the unit GEMM once (forward) and four times
+  in a row (forward+backward), to show what a call four GEMMs long reads against the unit.
 
 Labels: uniform, every 7th -100 (ignored). Loss for forward+backward: ``sum(u * logprob)`` with
 random ``u`` (``ours+top20`` adds ``sum(U * top_logprob)``). Reported: median forward and
@@ -289,6 +291,26 @@ class GemmFloor(Method):
             return acc.to(hidden.dtype), grad_w
 
 
+class GemmRepeat(Method):
+    """Not a head: the unit GEMM itself, once for the forward and four times back to back for
+    the forward+backward. A method whose forward+backward holds exactly four GEMMs of work reads
+    4.0 only if four GEMMs in a row run as fast as one alone; this row shows how far the clocks
+    of a call four times as long move that (the GPU slows as its power draw rises). Timing only;
+    its "gradients" are the last GEMM's output and an uninitialised weight-shaped tensor."""
+
+    name = "gemm-x4"
+    timing_only = True
+
+    def forward(self, hidden, weight, labels):
+        return hidden @ weight.t()
+
+    def train(self, hidden, weight, labels, u, top_u):
+        with torch.no_grad():
+            for _ in range(4):
+                out = hidden @ weight.t()
+            return out, torch.empty_like(weight)
+
+
 def make_methods(names, notes):
     out = []
     for name in names:
@@ -305,6 +327,8 @@ def make_methods(names, notes):
                 out.append(Naive())
             elif name == "cublas-floor":
                 out.append(GemmFloor())
+            elif name == "gemm-x4":
+                out.append(GemmRepeat())
             elif name == "liger":
                 out.append(Liger())
             elif name == "cce":

@@ -57,3 +57,15 @@ def test_cublas_floor_gradients_are_the_plain_products():
     assert torch.allclose(gh, logits @ w, atol=1e-4) and torch.allclose(
         gw, logits.t() @ h, atol=1e-4
     )
+
+
+def test_gemm_repeat_runs_the_unit_four_times(monkeypatch):
+    bench = _load_bench()
+    (rep,) = bench.make_methods(["gemm-x4"], [])
+    h, w = torch.randn(8, 4), torch.randn(6, 4)
+    calls = []
+    real = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append(1) or real(a, b))
+    assert torch.equal(rep.forward(h, w, None), real(h, w.t())) and len(calls) == 1
+    out, grad_w = rep.train(h, w, None, None, None)
+    assert len(calls) == 5 and torch.equal(out, real(h, w.t())) and grad_w.shape == w.shape
