@@ -291,18 +291,15 @@ class GemmFloor(Method):
             return acc.to(hidden.dtype), grad_w
 
 
-class GemmRepeat(Method):
-    """Not a head: the unit GEMM itself, once for the forward and four times back to back for
-    the forward+backward. A method whose forward+backward holds exactly four GEMMs of work reads
-    4.0 only if four GEMMs in a row run as fast as one alone; this row shows how far the clocks
-    of a call four times as long move that (the GPU slows as its power draw rises). Timing only;
-    its "gradients" are the last GEMM's output and an uninitialised weight-shaped tensor."""
+class GemmRepeat(GemmFloor):
+    """Not a head: the unit GEMM itself, once for the forward (as the floor's) and four times
+    back to back for the forward+backward. A method whose forward+backward holds exactly four
+    GEMMs of work reads 4.0 only if four GEMMs in a row run as fast as one alone; this row shows
+    how far the clocks of a call four times as long move that (the GPU slows as its power draw
+    rises). Timing only; its "gradients" are the last GEMM's output and an uninitialised
+    weight-shaped tensor."""
 
     name = "gemm-x4"
-    timing_only = True
-
-    def forward(self, hidden, weight, labels):
-        return hidden @ weight.t()
 
     def train(self, hidden, weight, labels, u, top_u):
         with torch.no_grad():
