@@ -294,10 +294,9 @@ class GemmFloor(Method):
 class GemmRepeat(GemmFloor):
     """Not a head: the unit GEMM itself, once for the forward (as the floor's) and four times
     back to back for the forward+backward. A method whose forward+backward holds exactly four
-    GEMMs of work reads 4.0 only if four GEMMs in a row run as fast as one alone; this row shows
-    how far the clocks of a call four times as long move that (the GPU slows as its power draw
-    rises). Timing only; its "gradients" are the last GEMM's output and an uninitialised
-    weight-shaped tensor."""
+    GEMMs of work reads 4.0 only if four GEMMs in a row run as fast as one alone (a call four
+    times as long could see lower clocks); this row shows whether they do. Timing only; its
+    "gradients" are the last GEMM's output and an uninitialised weight-shaped tensor."""
 
     name = "gemm-x4"
 
