@@ -491,21 +491,20 @@ def logit_precision(hidden, weight, labels, rows=4096):
     return lines
 
 
-def backward_parts(hidden, weight, device, reps, gemm):
-    """Times the backward's pieces over all slices: the d_logits kernel, dW, dH (fp32 adds)."""
+def dlogits_inputs(hidden, weight, device, cfg):
+    """The d_logits kernel over ``weight``'s vocabulary in the backward's slices for the tile
+    config ``cfg``, on random gradients with 21 ids a row: returns the ``[n, width]`` output
+    buffer and, per slice, ``(v0, v1, launch)``, ``launch()`` writing that slice's columns."""
     from megatron.context_parallel import _vocab_triton
 
     n, vocab = hidden.shape[0], weight.shape[0]
-    cfg = vocab_ops.kernel_config("bwd")
     slots = vocab_ops._sm_count(device) * cfg.get("ctas_per_sm", 1)
-    width = vocab_ops._slice_width(n, vocab, 0, 2, cfg["BN"])
+    width = vocab_ops._slice_width(n, vocab, 0, hidden.element_size(), cfg["BN"])
     row_max = vocab_ops.vocab_stats(hidden, weight, None, 0)[0]
     g_s = torch.randn(n, device=device) * 1e-3
     keys = torch.sort(torch.randint(0, vocab, (n, 21), device=device, dtype=torch.int32))[0]
     kg = torch.randn(n, 21, device=device)
     d = torch.empty(n, width, dtype=hidden.dtype, device=device)
-    acc = torch.zeros(n, hidden.shape[1], device=device)
-    grad_w = torch.empty_like(weight)
     slices = []
     for v0 in range(0, vocab, width):
         v1 = min(v0 + width, vocab)
@@ -514,13 +513,26 @@ def backward_parts(hidden, weight, device, reps, gemm):
             max=v1
         )
         pos = torch.searchsorted(keys, edges.expand(n, tiles + 1).contiguous(), out_int32=True)
-        slices.append((v0, v1, pos))
 
-    def dlogits():
-        for v0, v1, pos in slices:
+        def launch(v0=v0, v1=v1, pos=pos):
             _vocab_triton.launch_dlogits(
                 hidden, weight, row_max, g_s, keys, kg, pos, d[:, : v1 - v0], v0, cfg, slots
             )
+
+        slices.append((v0, v1, launch))
+    return d, slices
+
+
+def backward_parts(hidden, weight, device, reps, gemm):
+    """Times the backward's pieces over all slices: the d_logits kernel, dW, dH (fp32 adds)."""
+    n = hidden.shape[0]
+    d, slices = dlogits_inputs(hidden, weight, device, vocab_ops.kernel_config("bwd"))
+    acc = torch.zeros(n, hidden.shape[1], device=device)
+    grad_w = torch.empty_like(weight)
+
+    def dlogits():
+        for _, _, launch in slices:
+            launch()
 
     def dw():
         for v0, v1, _ in slices:
@@ -531,6 +543,7 @@ def backward_parts(hidden, weight, device, reps, gemm):
             vocab_ops._addmm_fp32_(acc, d[:, : v1 - v0], weight[v0:v1])
 
     times = time_round_robin({"d_logits": dlogits, "dW": dw, "dH": dh}, device, reps, 1)
+    width = d.shape[1]
     lines = [f"\nbackward pieces, {len(slices)} slices of {width} columns (GEMM {gemm:.2f} ms)\n"]
     lines += ["| piece | ms | GEMMs |", "|---|---:|---:|"]
     lines += [f"| {k} | {v:.2f} | {v / gemm:.3f} |" for k, v in times.items()]

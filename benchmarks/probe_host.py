@@ -40,24 +40,6 @@ dev = torch.device("cuda")
 _STAMPS = []
 
 
-class _StampedKernel:
-    """Stands in for ``_stats_fwd_kernel``: records host time around each launch."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = launch(*args, **kwargs)
-            _STAMPS.append((t0, time.perf_counter()))
-            return out
-
-        return run
-
-
 def busy(ms=30.0):
     """Keeps the GPU busy for about ``ms`` so the host runs ahead of it."""
     torch.cuda._sleep(int(ms * 1.9e6))
@@ -87,11 +69,50 @@ def cold_us(fn, reps=15):
     return statistics.median(times)
 
 
-def stamps(fn, reps=15):
-    """Median (to launch, launch, after) microseconds of cold calls of ``fn``."""
-    real = _vocab_triton._stats_fwd_kernel
-    _vocab_triton._stats_fwd_kernel = _StampedKernel(real)
-    rows = []
+class _Stamp:
+    """Replaces ``owner.name`` (a function, or with ``kernel`` a Triton kernel) by a wrapper that
+    records when calls enter it (and, for a kernel, when its launch returns)."""
+
+    def __init__(self, owner, name, label, kernel=False):
+        self.owner, self.name, self.label, self.kernel = owner, name, label, kernel
+        self.real = getattr(owner, name)
+
+    def __enter__(self):
+        real, label = self.real, self.label
+        if self.kernel:
+
+            class Kernel:
+                def __getitem__(self, grid):
+                    launch = real[grid]
+
+                    def run(*args, **kwargs):
+                        _STAMPS.append((label, time.perf_counter()))
+                        out = launch(*args, **kwargs)
+                        _STAMPS.append(("launch returned", time.perf_counter()))
+                        return out
+
+                    return run
+
+            setattr(self.owner, self.name, Kernel())
+        else:
+
+            def wrapped(*args, **kwargs):
+                _STAMPS.append((label, time.perf_counter()))
+                return real(*args, **kwargs)
+
+            setattr(self.owner, self.name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.real)
+
+
+def cold_stamps(fn, wrappers, reps=15):
+    """Calls ``fn`` ``reps`` times, each right after a synchronisation with the GPU kept busy,
+    with the ``_Stamp`` ``wrappers`` in place; per call ``(start, [(label, time), ...], end)``."""
+    for wrapper in wrappers:
+        wrapper.__enter__()
+    calls = []
     try:
         for _ in range(reps):
             torch.cuda.synchronize()
@@ -99,12 +120,22 @@ def stamps(fn, reps=15):
             _STAMPS.clear()
             t0 = time.perf_counter()
             fn()
-            t1 = time.perf_counter()
-            a, b = _STAMPS[0]
-            rows.append(((a - t0) * 1e6, (b - a) * 1e6, (t1 - b) * 1e6))
+            calls.append((t0, list(_STAMPS), time.perf_counter()))
     finally:
-        _vocab_triton._stats_fwd_kernel = real
+        for wrapper in reversed(wrappers):
+            wrapper.__exit__()
     torch.cuda.synchronize()
+    return calls
+
+
+def stamps(fn, reps=15):
+    """Median (to launch, launch, after) microseconds of cold calls of ``fn`` (its first launch
+    of the forward kernel)."""
+    kernel = _Stamp(_vocab_triton, "_stats_fwd_kernel", "launch", kernel=True)
+    rows = []
+    for t0, marks, t1 in cold_stamps(fn, [kernel], reps):
+        (_, a), (_, b) = marks[:2]
+        rows.append(((a - t0) * 1e6, (b - a) * 1e6, (t1 - b) * 1e6))
     return [statistics.median(col) for col in zip(*rows)]
 
 
@@ -165,44 +196,6 @@ def probe(n, vocab, calls, profile):
         print(cold_profile(lambda: shard_logprobs(h, w, labels, 0)))
 
 
-class _Stamp:
-    """Replaces ``owner.name`` (a function, or with ``kernel`` a Triton kernel) by a wrapper that
-    records when calls enter it (and, for a kernel, when its launch returns)."""
-
-    def __init__(self, owner, name, label, kernel=False):
-        self.owner, self.name, self.label, self.kernel = owner, name, label, kernel
-        self.real = getattr(owner, name)
-
-    def __enter__(self):
-        real, label = self.real, self.label
-        if self.kernel:
-
-            class Kernel:
-                def __getitem__(self, grid):
-                    launch = real[grid]
-
-                    def run(*args, **kwargs):
-                        _STAMPS.append((label, time.perf_counter()))
-                        out = launch(*args, **kwargs)
-                        _STAMPS.append(("launch returned", time.perf_counter()))
-                        return out
-
-                    return run
-
-            setattr(self.owner, self.name, Kernel())
-        else:
-
-            def wrapped(*args, **kwargs):
-                _STAMPS.append((label, time.perf_counter()))
-                return real(*args, **kwargs)
-
-            setattr(self.owner, self.name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        setattr(self.owner, self.name, self.real)
-
-
 def layers(n, vocab, reps=15):
     """Cold k = 0 calls of the one-shard composition: median microseconds from the call to each
     layer's entry; then the whole cold call of an empty autograd Function and of an empty custom
@@ -220,23 +213,11 @@ def layers(n, vocab, reps=15):
         (_vocab_triton, "_stats_fwd_kernel", "Triton launch entered", True),
     ]
     rows = {}
-    wrappers = [_Stamp(*s) for s in stamps]
-    for wrapper in wrappers:
-        wrapper.__enter__()
-    try:
-        shard_logprobs(h, w, labels, 0)
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            busy()
-            _STAMPS.clear()
-            t0 = time.perf_counter()
-            shard_logprobs(h, w, labels, 0)
-            for label, t in _STAMPS:
-                rows.setdefault(label, []).append((t - t0) * 1e6)
-    finally:
-        for wrapper in reversed(wrappers):
-            wrapper.__exit__()
-    torch.cuda.synchronize()
+    shard_logprobs(h, w, labels, 0)
+    calls = cold_stamps(lambda: shard_logprobs(h, w, labels, 0), [_Stamp(*s) for s in stamps], reps)
+    for t0, marks, _ in calls:
+        for label, t in marks:
+            rows.setdefault(label, []).append((t - t0) * 1e6)
     print(f"\n{n} x {vocab}, k = 0, cold: microseconds from the call to")
     for label, times in rows.items():
         print(f"  {label:34s} {statistics.median(times):8.1f}")

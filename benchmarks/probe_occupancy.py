@@ -18,7 +18,8 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-from bench_head import time_round_robin  # noqa: E402
+from bench_head import dlogits_inputs, time_round_robin  # noqa: E402
+from probe_topk import launch  # noqa: E402
 
 from megatron.context_parallel import _vocab_triton, vocab_ops  # noqa: E402
 
@@ -83,35 +84,15 @@ def forward_case(h, w, t, over):
         splits = vocab_ops.forward_splits(n, vocab, 0, SMS)
     finally:
         vocab_ops.set_kernel_config("fwd", **saved)
-    part = torch.empty(splits, 3, n, device=dev)
-    empty_v = torch.empty(splits, n, 0, device=dev)
-    empty_i = torch.empty(splits, n, 0, device=dev, dtype=torch.int32)
-
-    def run():
-        _vocab_triton.launch_stats_fwd(h, w, t, 0, part, empty_v, empty_i, splits, cfg, False)
-
-    return run, splits, cfg
+    return launch(h, w, t, 0, splits, **over), splits, cfg
 
 
 def dlogits_case(h, w, over):
-    n, vocab = h.shape[0], w.shape[0]
+    """The backward's first slice under ``over``; the unit for it is the slice's own GEMM."""
     cfg = dict(vocab_ops.kernel_config("bwd"), **over)
-    width = vocab_ops._slice_width(n, vocab, 0, 2, cfg["BN"])
-    row_max = vocab_ops.vocab_stats(h, w, None, 0)[0]
-    g_s = torch.randn(n, device=dev) * 1e-3
-    keys = torch.sort(torch.randint(0, width, (n, 21), device=dev, dtype=torch.int32))[0]
-    kg = torch.randn(n, 21, device=dev)
-    tiles = -(-width // cfg["BN"])
-    edges = (torch.arange(tiles + 1, device=dev, dtype=torch.int32) * cfg["BN"]).clamp(max=width)
-    pos = torch.searchsorted(keys, edges.expand(n, tiles + 1).contiguous(), out_int32=True)
-    d = torch.empty(n, width, dtype=h.dtype, device=dev)
-    slots = SMS * cfg["ctas_per_sm"]
-
-    def run():
-        _vocab_triton.launch_dlogits(h, w, row_max, g_s, keys, kg, pos, d, 0, cfg, slots)
-
-    # The unit for this case: the slice's own GEMM.
-    return run, width, (lambda: h @ w[:width].t())
+    _, slices = dlogits_inputs(h, w, dev, cfg)
+    v0, v1, run = slices[0]
+    return run, v1 - v0, (lambda: h @ w[v0:v1].t())
 
 
 def probe(n, vocab, reps):

@@ -32,13 +32,9 @@ base = vocab_ops.kernel_config("fwd_topk")
 
 def launch(h, w, t, k, splits, **over):
     """The forward kernel alone with ``fwd_topk`` (k > 0) or ``fwd`` overridden by ``over``."""
-    n = h.shape[0]
-    kp = _vocab_triton._next_pow2(max(k, 2)) if k else 0
-    part = torch.empty(splits, 4, n, device=dev)
-    tv = torch.empty(splits, n, kp, device=dev)
-    ti = torch.empty(splits, n, kp, device=dev, dtype=torch.int32)
     c = dict(base if k else vocab_ops.kernel_config("fwd"), **over)
     grouped = bool(k and c.get("grouped"))
+    part, tv, ti = vocab_ops._split_buffers(splits, 4 if grouped else 3, h.shape[0], k, dev)
     return lambda: _vocab_triton.launch_stats_fwd(h, w, t, k, part, tv, ti, splits, c, grouped)
 
 
