@@ -31,20 +31,26 @@ def loading(request):
     or with descriptors and every schedule switched the other way round from the defaults
     ("alt": forward tile loop flattened or not, top-k over grouped candidates or every element,
     backward persistent or one tile per program, flattened or not, descriptor or pointer
-    stores; "capped": grouped top-k with a fixed number of selection passes per tile or as many as
-    needed, the forward tile loop flattened or not)."""
+    stores, the Gluon forward and d_logits kernels or the Triton ones; "capped": grouped top-k
+    with a fixed number of selection passes per tile or as many as needed, the forward tile loop
+    flattened or not)."""
     saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
     for key in saved:
         vocab_ops.set_kernel_config(key, tma=request.param != "pointers")
     if request.param == "alt":
         bwd = saved["bwd"]
-        vocab_ops.set_kernel_config("fwd", flatten=not saved["fwd"].get("flatten"))
+        vocab_ops.set_kernel_config(
+            "fwd",
+            flatten=not saved["fwd"].get("flatten"),
+            pingpong=not saved["fwd"].get("pingpong"),
+        )
         vocab_ops.set_kernel_config("fwd_topk", grouped=not saved["fwd_topk"].get("grouped"))
         vocab_ops.set_kernel_config(
             "bwd",
             persistent=not bwd.get("persistent"),
             flatten=not bwd.get("flatten"),
             tma_store=not bwd.get("tma_store"),
+            pingpong=not bwd.get("pingpong"),
         )
     if request.param == "capped":
         topk = saved["fwd_topk"]
@@ -57,6 +63,12 @@ def loading(request):
     yield request.param
     for key, cfg in saved.items():
         vocab_ops.set_kernel_config(key, **cfg)
+
+
+_HOPPER = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="the Gluon kernels run on Hopper only",
+)
 
 
 def _inputs(n, vocab, width, dtype, seed, scale=2.0):
@@ -86,25 +98,40 @@ SHAPES = [
 
 # Every shape in bf16 with descriptors; the other dtypes and the pointer loads on a few (each
 # dtype and variant is a separate kernel compile).
-STATS_CASES = [(*s, torch.bfloat16, "tma") for s in SHAPES] + [
-    (*SHAPES[i], dtype, mode)
-    for i, dtype, mode in [
-        (1, torch.float16, "tma"),
-        (3, torch.float16, "tma"),
-        (1, torch.float32, "tma"),
-        (3, torch.float32, "tma"),
-        (1, torch.bfloat16, "pointers"),
-        (3, torch.bfloat16, "pointers"),
-        (4, torch.bfloat16, "pointers"),
-        (1, torch.bfloat16, "alt"),
-        (3, torch.bfloat16, "alt"),
-        (6, torch.bfloat16, "alt"),
-        (3, torch.float32, "alt"),
-        (1, torch.bfloat16, "capped"),
-        (3, torch.bfloat16, "capped"),
-        (6, torch.bfloat16, "capped"),
+STATS_CASES = (
+    [(*s, torch.bfloat16, "tma") for s in SHAPES]
+    + [
+        (*SHAPES[i], dtype, mode)
+        for i, dtype, mode in [
+            (1, torch.float16, "tma"),
+            (3, torch.float16, "tma"),
+            (1, torch.float32, "tma"),
+            (3, torch.float32, "tma"),
+            (1, torch.bfloat16, "pointers"),
+            (3, torch.bfloat16, "pointers"),
+            (4, torch.bfloat16, "pointers"),
+            (1, torch.bfloat16, "alt"),
+            (3, torch.bfloat16, "alt"),
+            (6, torch.bfloat16, "alt"),
+            (3, torch.float32, "alt"),
+            (1, torch.bfloat16, "capped"),
+            (3, torch.bfloat16, "capped"),
+            (6, torch.bfloat16, "capped"),
+        ]
     ]
-]
+    + [
+        # k = 0: on Hopper the Gluon forward (tma), else or with "alt" the Triton one.
+        (n, vocab, width, 0, dtype, mode)
+        for n, vocab, width, dtype, mode in [
+            (1, 1, 16, torch.bfloat16, "tma"),
+            (37, 101, 40, torch.bfloat16, "tma"),
+            (200, 999, 136, torch.bfloat16, "tma"),
+            (1000, 5003, 256, torch.bfloat16, "tma"),
+            (200, 999, 136, torch.float16, "tma"),
+            (200, 999, 136, torch.bfloat16, "alt"),
+        ]
+    ]
+)
 
 
 @pytest.mark.parametrize(
@@ -244,11 +271,14 @@ def test_promoted_accumulation_is_at_least_as_exact():
     target = torch.randint(0, 4000, (700,), generator=gen).cuda()
     exact = (hidden.double() * weight[target].double()).sum(dim=1)
     plain = vocab_stats(hidden, weight, target, 5)
+    plain_k0 = vocab_stats(hidden, weight, target, 0)  # the Gluon forward on Hopper
     saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk")}
     for key in saved:
         vocab_ops.set_kernel_config(key, promote=True)
     try:
         promoted = vocab_stats(hidden, weight, target, 5)
+        # promote also wins over the configured Gluon forward (which has no such mode).
+        promoted_k0 = vocab_stats(hidden, weight, target, 0)
     finally:
         for key, cfg in saved.items():
             vocab_ops.set_kernel_config(key, **cfg)
@@ -256,6 +286,8 @@ def test_promoted_accumulation_is_at_least_as_exact():
     err_promoted = (promoted[2].double() - exact).abs().max().item()
     assert err_promoted <= err_plain + 1e-7, (err_promoted, err_plain)
     assert torch.equal(plain[4], promoted[4]) or (plain[3] - promoted[3]).abs().max() < 1e-3
+    assert torch.equal(promoted_k0[2], promoted[2])
+    assert err_promoted <= (plain_k0[2].double() - exact).abs().max().item() + 1e-7
 
 
 def test_all_targets_outside_and_no_target():
@@ -264,6 +296,8 @@ def test_all_targets_outside_and_no_target():
     outside[::2] = 333
     got = vocab_stats(hidden, weight, outside, 3)
     assert torch.all(got[2] == 0)
+    # k = 0 (the Gluon forward on Hopper): 333 sits in the last column tile, past the shard.
+    assert torch.all(vocab_stats(hidden, weight, outside, 0)[2] == 0)
     none = vocab_stats(hidden, weight, None, 3)
     for a, b in zip(got[:2] + got[3:], none[:2] + none[3:]):
         assert torch.equal(a, b)
@@ -305,6 +339,88 @@ def test_backward_against_cpu_and_fp64(n, vocab, width, m, dtype, chunk, loading
         assert rel_err(got.cpu(), ref) <= GRAD_TOL[dtype]
         # Same rule as the CPU path: within a few roundings of it.
         assert rel_err(got.cpu(), cpu.double()) <= GRAD_TOL[dtype]
+
+
+def _triton_then_gluon(monkeypatch, config, launcher, run):
+    """``run()`` with the Triton kernels (config ``pingpong=False``), then with the Gluon one
+    (``_vocab_gluon.<launcher>``, checked to be what ran); returns both results."""
+    from megatron.context_parallel import _vocab_gluon
+
+    launches = []
+    real = getattr(_vocab_gluon, launcher)
+    monkeypatch.setattr(_vocab_gluon, launcher, lambda *a: launches.append(1) or real(*a))
+    saved = vocab_ops.kernel_config(config)
+    results = []
+    try:
+        for pingpong in (False, True):
+            vocab_ops.set_kernel_config(config, pingpong=pingpong)
+            _poison()
+            results.append(run())
+            assert bool(launches) == pingpong
+    finally:
+        vocab_ops.set_kernel_config(config, **saved)
+    return results
+
+
+@_HOPPER
+@pytest.mark.parametrize(
+    "n,vocab,width,m,dtype,chunk",
+    [
+        (333, 2999, 136, 3, torch.bfloat16, 640),  # ragged rows, columns and slices, H % 64 != 0
+        (2000, 20000, 256, 21, torch.bfloat16, 4096),  # several tiles per consumer
+        (1000, 5003, 64, 2, torch.float16, None),
+        (4100, 37984, 512, 1, torch.bfloat16, None),
+    ],
+)
+def test_gluon_dlogits_gives_the_triton_kernels_bits(n, vocab, width, m, dtype, chunk, monkeypatch):
+    from megatron.context_parallel import _vocab_gluon
+
+    assert _vocab_gluon.builds(torch.device("cuda"), dtype, "dlogits")
+    hidden, weight, gen = _inputs(n, vocab, width, dtype, n + vocab)
+    row_max = vocab_stats(hidden, weight, None, 0)[0]
+    g_s = torch.randn(n, generator=gen).cuda()
+    ids = torch.randint(-3, vocab + 3, (n, m), generator=gen).cuda()
+    g_ids = torch.randn(n, m, generator=gen).cuda()
+    grads = _triton_then_gluon(
+        monkeypatch,
+        "bwd",
+        "launch_dlogits_pingpong",
+        lambda: vocab_stats_backward(hidden, weight, row_max, g_s, ids, g_ids, chunk),
+    )
+    for triton_grad, gluon_grad in zip(*grads):
+        assert torch.equal(triton_grad, gluon_grad)
+
+
+@_HOPPER
+@pytest.mark.parametrize(
+    "n,vocab,width,dtype,with_target",
+    [
+        (333, 2999, 136, torch.bfloat16, True),  # ragged rows and columns, H % 64 != 0
+        (64, 130, 64, torch.bfloat16, True),  # targets past the shard's end, in its last tile
+        (2000, 20000, 256, torch.bfloat16, False),  # several tiles per consumer
+        (1000, 5003, 64, torch.float16, True),
+        (1, 1, 16, torch.bfloat16, True),
+    ],
+)
+def test_gluon_forward_against_the_triton_kernel(n, vocab, width, dtype, with_target, monkeypatch):
+    from megatron.context_parallel import _vocab_gluon
+
+    assert _vocab_gluon.builds(torch.device("cuda"), dtype, "stats")
+    hidden, weight, gen = _inputs(n, vocab, width, dtype, n + vocab)
+    target = torch.randint(-3, vocab + 3, (n,), generator=gen) if with_target else None
+    if with_target:
+        target[: min(n, 4)] = torch.tensor([vocab, vocab + 1, -1, 0])[: min(n, 4)]
+        target = target.cuda()
+    outs = _triton_then_gluon(
+        monkeypatch, "fwd", "launch_stats_pingpong", lambda: vocab_stats(hidden, weight, target, 0)
+    )
+    (tri_max, tri_sum, tri_tgt, _, _), (glu_max, glu_sum, glu_tgt, _, _) = outs
+    # Logits agree to a few fp32 units in the last place (the tensor cores' accumulation is not
+    # IEEE and the two kernels issue different wgmma shapes: 64x256 against 64x128; equal bits
+    # on most shapes, not all: H200, H = 136); sums also differ in rounding order (a running sum
+    # over tiles against per-tile sums merged after).
+    for gluon, triton_ in ((glu_max, tri_max), (glu_tgt, tri_tgt), (glu_sum, tri_sum)):
+        torch.testing.assert_close(gluon, triton_, rtol=1e-5, atol=1e-5)
 
 
 def test_backward_single_gradient_and_main_grad():

@@ -45,17 +45,18 @@ sum is ever added to.
 Paths:
     * CPU: torch, on inputs upcast to fp32 (bf16 and fp16 products are exact in fp32), exact and
       deterministic; the reference for the GPU path.
-    * CUDA: Triton kernels (``_vocab_triton``). The forward is one fused matmul whose epilogue
-      folds each logits tile into the row statistics; the logits never reach memory. The backward
-      recomputes the logits of a vocabulary slice in a fused kernel that writes ``d_logits`` in
-      the input dtype, then cuBLAS forms the slice's ``grad_weight`` rows (one GEMM, K = n) and
-      adds its ``grad_hidden`` share into the fp32 accumulator. Everything runs on the current
-      stream without host syncs, so CUDA graphs capture it. With ``k > 0`` the forward's top-k
-      is taken over grouped candidates; the rows where that could miss something (random
-      logits, k = 20: 0.01-0.1% of rows) are selected again over every element, with launches
-      that do not depend on how many rows that is (``_reselect_into``: the host never reads
-      it). ``set_kernel_config("fwd_topk", grouped=False)`` selects over every element from the
-      start (exact, slower).
+    * CUDA: Triton kernels (``_vocab_triton``). The forward is one fused matmul whose epilogue folds
+      each logits tile into the row statistics; the logits never reach memory. The backward
+      recomputes the logits of a vocabulary slice in a fused kernel that writes ``d_logits`` in the
+      input dtype (on Hopper a warp-specialised Gluon kernel, ``_vocab_gluon``, whose epilogue runs
+      under the tensor cores' next tile; same bits), then cuBLAS forms the slice's ``grad_weight``
+      rows (one GEMM, K = n) and adds its ``grad_hidden`` share into the fp32 accumulator.
+      Everything runs on the current stream without host syncs, so CUDA graphs capture it. With
+      ``k > 0`` the forward's top-k is taken over grouped candidates; the rows where that could miss
+      something (random logits, k = 20: 0.01-0.1% of rows) are selected again over every element,
+      with launches that do not depend on how many rows that is (``_reselect_into``: the host never
+      reads it). ``set_kernel_config("fwd_topk", grouped=False)`` selects over every element from
+      the start (exact, slower).
     * CUDA fallback: ``k > 64`` in the forward (the kernel keeps the running top-k in
       registers) runs the torch path on the GPU, on cuBLAS logits with fp32 output, in chunks of
       rows; so does everything when Triton cannot be imported (one warning).
@@ -108,7 +109,9 @@ _LISTED_BYTES = 64 << 20
 # (fp16 / bf16 inputs; fp32 inputs take the "fp32" entries instead).
 _TILE = dict(BM=128, BN=256, BK=64, warps=8, stages=3, ctas_per_sm=1, tma=True)
 _CONFIG = {
-    "fwd": dict(_TILE, GROUP=8, flatten=True),
+    # pingpong ("fwd" and "bwd"): the warp-specialised Gluon kernels of _vocab_gluon (their own
+    # tiles) where they run; the entries before it configure the Triton kernels, used otherwise.
+    "fwd": dict(_TILE, GROUP=8, flatten=True, pingpong=True),
     # passes: selection passes per tile (0: as many as the tile needs, in a loop that keeps Triton
     # from fusing the tile loop); pass_cost: one pass in tiles of matmul, for the split model.
     # reselect_ahead: how many flagged rows are re-selected through logit keys (one read of the
@@ -123,7 +126,7 @@ _CONFIG = {
         pass_cost=0.01,
         reselect_ahead=128,
     ),
-    "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True),
+    "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True, pingpong=True),
     # fp32 inputs: replaces the tile entries of the three above. Their products run on the CUDA
     # cores (IEEE fp32 fmas), where Triton 3.6 takes ~150 s to build the 128x256 forward with a
     # top-k (it spills heavily) and ~8 s for this tile. The forward, the logit keys and the row
@@ -149,14 +152,15 @@ def set_kernel_config(name: str, **cfg) -> None:
 
     Keys: BM, BN, BK (tile), warps, stages, GROUP (row blocks per launch group), ctas_per_sm,
     splits (forward: vocabulary splits per row block, or None for the cost model), tma (load
-    operands through tensor descriptors where possible), promote (sum each BK block's product
-    with IEEE fp32 adds: more exact logits, slower; see ``_vocab_triton._tile_logits``),
-    flatten (let Triton pipeline the operand loads across consecutive tiles of one program),
-    persistent ("bwd": one program per slot walking the tiles), tma_store ("bwd": ``d_logits``
-    written through a tensor descriptor); "fwd_topk" only: grouped (candidates per column group,
-    or every element), G (column groups per tile), passes (selection passes per tile, 0: as many
-    as needed), pass_cost (split model), reselect_ahead (see ``_reselect_into``); "fp32": the
-    tile entries that replace the others' for fp32 inputs.
+    operands through tensor descriptors where possible), promote (sum each BK block's product with
+    IEEE fp32 adds: more exact logits, slower; see ``_vocab_triton._tile_logits``), flatten (let
+    Triton pipeline the operand loads across consecutive tiles of one program), persistent ("bwd":
+    one program per slot walking the tiles), tma_store ("bwd": ``d_logits`` written through a
+    tensor descriptor), pingpong ("fwd", "bwd": the warp-specialised Gluon kernels of
+    ``_vocab_gluon`` where they run, else the Triton ones); "fwd_topk" only: grouped (candidates
+    per column group, or every element), G (column groups per tile), passes (selection passes per
+    tile, 0: as many as needed), pass_cost (split model), reselect_ahead (see ``_reselect_into``);
+    "fp32": the tile entries that replace the others' for fp32 inputs.
     """
     if name not in _CONFIG:
         raise ValueError(f"unknown kernel config {name!r}; expected one of {sorted(_CONFIG)}")
@@ -337,6 +341,11 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "no kernels"
     _vocab_triton = None
     _TRITON_ERROR = exc
 
+try:
+    from megatron.context_parallel import _vocab_gluon
+except Exception:  # noqa: BLE001 - no Gluon (older Triton): the Triton d_logits kernel
+    _vocab_gluon = None
+
 _WARNED = set()
 _SM_COUNT = {}
 
@@ -429,6 +438,22 @@ def _split_buffers(splits: int, parts: int, n: int, k: int, device):
     )
 
 
+def _pingpong(hidden, weight, cfg, kernel: str) -> bool:
+    """Whether ``kernel`` ("stats": the forward without a top-k, "dlogits": the backward's
+    d_logits) runs as the warp-specialised Gluon kernel of ``_vocab_gluon`` (configured, a Hopper
+    GPU, bf16 / fp16 operands the copy engine can load, Gluon builds it) rather than the Triton
+    one. ``promote`` keeps the Triton kernel: only it has the IEEE-added accumulation."""
+    return (
+        bool(cfg.get("pingpong"))
+        and not cfg.get("promote")
+        and bool(cfg.get("tma"))
+        and _vocab_gluon is not None
+        and hidden.is_cuda
+        and _vocab_triton.tma_ok(hidden, weight)
+        and _vocab_gluon.builds(hidden.device, hidden.dtype, kernel)
+    )
+
+
 def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     """The Triton forward plus the tiny combine of the splits' partial results.
 
@@ -442,6 +467,12 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     n, vocab = hidden.shape[0], weight.shape[0]
     cfg = _config("fwd_topk" if k else "fwd", hidden.dtype)
     hidden, weight = _row_major(hidden), _row_major(weight)
+    if not k and _pingpong(hidden, weight, cfg, "stats"):
+        part = torch.empty(
+            _vocab_gluon.stats_tiles(vocab), 3, n, dtype=torch.float32, device=hidden.device
+        )
+        _vocab_gluon.launch_stats_pingpong(hidden, weight, target, part, slots)
+        return _combine_splits(part, None, None, 0, vocab)[:5]
     if grouped is None:
         grouped = _grouped_topk(k)
     splits = forward_splits(n, vocab, k, slots, grouped, hidden.dtype)
@@ -564,8 +595,9 @@ def _backward_kernel(
     if n == 0 or vocab == 0 or not (want_h or want_w):
         return grad_h, grad_w
     cfg = _config("bwd", hidden.dtype)
-    bn = cfg["BN"]
     hidden, weight = _row_major(hidden), _row_major(weight)
+    pingpong = _pingpong(hidden, weight, cfg, "dlogits")
+    bn = _vocab_gluon.CONFIG["BN"] if pingpong else cfg["BN"]
     width = _slice_width(n, vocab, chunk_size, hidden.element_size(), bn)
     # Programs of a persistent d_logits launch; CPU tensors only reach here under Triton's
     # interpreter (tests), where a few programs exercise the tile walk.
@@ -583,7 +615,9 @@ def _backward_kernel(
     row_max = row_max.float().contiguous()
     grad_sum_exp = grad_sum_exp.float().contiguous()
 
-    d_buf = torch.empty(n, width, dtype=hidden.dtype, device=hidden.device)
+    # Rows padded to 16 bytes, so the copy engine can store any slice's d_logits.
+    pitch = -(-width * hidden.element_size() // 16) * 16 // hidden.element_size()
+    d_buf = torch.empty(n, pitch, dtype=hidden.dtype, device=hidden.device)[:, :width]
     several = width < vocab
     acc = (
         torch.empty(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -597,9 +631,11 @@ def _backward_kernel(
         edges = (edges_base[: tiles + 1] + v0).clamp_(max=v1)
         pos = torch.searchsorted(keys, edges.expand(n, tiles + 1).contiguous(), out_int32=True)
         d = d_buf[:, : v1 - v0]
-        _vocab_triton.launch_dlogits(
-            hidden, weight, row_max, grad_sum_exp, keys, key_grads, pos, d, v0, cfg, slots
-        )
+        args = (hidden, weight, row_max, grad_sum_exp, keys, key_grads, pos, d, v0)
+        if pingpong:
+            _vocab_gluon.launch_dlogits_pingpong(*args, _sm_count(hidden.device))
+        else:
+            _vocab_triton.launch_dlogits(*args, cfg, slots)
         if want_w:
             if main_grad is not None:
                 _addmm_fp32_(main_grad[v0:v1], d.t(), hidden)
