@@ -394,9 +394,13 @@ _BASE = dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, t
 # pointers: 128x256x64, 8 warps, 3 stages, descriptors won for all three kernels.
 # Session 3 (2026-12-03): the loop schedules on the winning tile.
 # (Also swept that day, slower on both shapes: 4 stages, GROUP 4.)
+# Session 11: the Gluon ping-pong kernels (_vocab_gluon) took over the forward without a top-k
+# and the backward's d_logits on Hopper; the sweeps below time the Triton ones, plus the Gluon
+# one as it is configured.
 FWD_SWEEP = [
-    dict(_BASE, flatten=True),
-    dict(_BASE),
+    dict(_BASE, flatten=True, pingpong=True),
+    dict(_BASE, flatten=True, pingpong=False),
+    dict(_BASE, pingpong=False),
 ]
 # Session 3's removal selection (largest element of each of Q column groups per pass, removed
 # from the tile) took 2.4-3.2 GEMMs against 1.40-1.96 for ordered picks and was dropped.
@@ -415,12 +419,13 @@ TOPK_SWEEP = [
     dict(_BASE, grouped=True, G=8, passes=3),
 ]
 PROMOTE_SWEEP = [
-    dict(_BASE, promote=True),
+    dict(_BASE, promote=True, pingpong=False),
 ]
 # (Session 3 also swept: one program per tile with pointer or descriptor stores, persistent with
 # pointer stores, persistent without flattening: 3.16-3.61 GEMMs on the full vocabulary.)
 BWD_SWEEP = [
-    dict(_BASE, persistent=True, flatten=True, tma_store=True, GROUP=16),
+    dict(_BASE, persistent=True, flatten=True, tma_store=True, GROUP=16, pingpong=True),
+    dict(_BASE, persistent=True, flatten=True, tma_store=True, GROUP=16, pingpong=False),
 ]
 # The fastest promoted-accumulation forward config (set by the sweep); "ours/ieee-acc" uses it.
 PROMOTED = dict(PROMOTE_SWEEP[0])
@@ -428,7 +433,7 @@ PROMOTED = dict(PROMOTE_SWEEP[0])
 
 def _cfg_label(cfg):
     tag = "tma" if cfg.get("tma") else "ptr"
-    flags = ("promote", "flatten", "persistent", "tma_store")
+    flags = ("promote", "flatten", "persistent", "tma_store", "pingpong")
     extra = "".join(f" {key}" for key in flags if cfg.get(key)) + (
         f" G{cfg['GROUP']}" if cfg.get("GROUP", 8) != 8 else ""
     )
@@ -491,19 +496,32 @@ def logit_precision(hidden, weight, labels, rows=4096):
     return lines
 
 
-def dlogits_inputs(hidden, weight, device, cfg):
+def dlogits_inputs(hidden, weight, device, cfg, launcher=None, width=None):
     """The d_logits kernel over ``weight``'s vocabulary in the backward's slices for the tile
-    config ``cfg``, on random gradients with 21 ids a row: returns the ``[n, width]`` output
-    buffer and, per slice, ``(v0, v1, launch)``, ``launch()`` writing that slice's columns."""
+    config ``cfg``, on random gradients (seeded: every call draws the same) with 21 ids a row:
+    returns the ``[n, width]`` output buffer and, per slice, ``(v0, v1, launch)``, ``launch()``
+    writing that slice's columns.
+
+    ``launcher(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d, v0)`` replaces
+    ``_vocab_triton.launch_dlogits`` (another kernel; ``pos`` is built for ``cfg["BN"]``-wide
+    tiles); ``width`` fixes the slice width instead of the backward's choice."""
     from megatron.context_parallel import _vocab_triton
 
     n, vocab = hidden.shape[0], weight.shape[0]
     slots = vocab_ops._sm_count(device) * cfg.get("ctas_per_sm", 1)
-    width = vocab_ops._slice_width(n, vocab, 0, hidden.element_size(), cfg["BN"])
+    if launcher is None:
+
+        def launcher(*args):
+            _vocab_triton.launch_dlogits(*args, cfg, slots)
+
+    if width is None:
+        width = vocab_ops._slice_width(n, vocab, 0, hidden.element_size(), cfg["BN"])
     row_max = vocab_ops.vocab_stats(hidden, weight, None, 0)[0]
-    g_s = torch.randn(n, device=device) * 1e-3
-    keys = torch.sort(torch.randint(0, vocab, (n, 21), device=device, dtype=torch.int32))[0]
-    kg = torch.randn(n, 21, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    g_s = torch.randn(n, device=device, generator=gen) * 1e-3
+    keys = torch.randint(0, vocab, (n, 21), device=device, dtype=torch.int32, generator=gen)
+    keys = torch.sort(keys)[0]
+    kg = torch.randn(n, 21, device=device, generator=gen)
     d = torch.empty(n, width, dtype=hidden.dtype, device=device)
     slices = []
     for v0 in range(0, vocab, width):
@@ -515,18 +533,27 @@ def dlogits_inputs(hidden, weight, device, cfg):
         pos = torch.searchsorted(keys, edges.expand(n, tiles + 1).contiguous(), out_int32=True)
 
         def launch(v0=v0, v1=v1, pos=pos):
-            _vocab_triton.launch_dlogits(
-                hidden, weight, row_max, g_s, keys, kg, pos, d[:, : v1 - v0], v0, cfg, slots
-            )
+            launcher(hidden, weight, row_max, g_s, keys, kg, pos, d[:, : v1 - v0], v0)
 
         slices.append((v0, v1, launch))
     return d, slices
 
 
 def backward_parts(hidden, weight, device, reps, gemm):
-    """Times the backward's pieces over all slices: the d_logits kernel, dW, dH (fp32 adds)."""
+    """Times the backward's pieces over all slices: the d_logits kernel (the one the backward
+    runs here: Gluon or Triton), dW, dH (fp32 adds)."""
     n = hidden.shape[0]
-    d, slices = dlogits_inputs(hidden, weight, device, vocab_ops.kernel_config("bwd"))
+    cfg = vocab_ops.kernel_config("bwd")
+    launcher = None
+    if vocab_ops._pingpong(hidden, weight, cfg, "dlogits"):
+        gluon = vocab_ops._vocab_gluon
+        cfg = dict(cfg, BN=gluon.CONFIG["BN"])
+        slots = vocab_ops._sm_count(device)
+
+        def launcher(*args):
+            gluon.launch_dlogits_pingpong(*args, slots)
+
+    d, slices = dlogits_inputs(hidden, weight, device, cfg, launcher=launcher)
     acc = torch.zeros(n, hidden.shape[1], device=device)
     grad_w = torch.empty_like(weight)
 

@@ -1,0 +1,156 @@
+"""The ping-pong d_logits kernel (``_vocab_gluon``) against the Triton one and the unit GEMM (GPU).
+
+First checks it: on shapes with ragged rows and columns, its ``d_logits`` against our Triton
+kernel's on the same inputs (bits equal, or the largest difference). Then times, in turns and
+with the GPU busy 2 ms before each start (bench_head's "queued"), all the backward's slices of
+each kernel against the unit GEMM ``hidden @ weight.T``, for each ping-pong config, and the
+forward without a top-k (the whole call through each kernel, and the Gluon kernel alone per
+config).
+
+    PYTHONPATH=$PWD python3 benchmarks/probe_pingpong.py [--reps 7] [--shapes 20436x151936]
+"""
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+
+from bench_head import dlogits_inputs, time_round_robin  # noqa: E402
+
+from megatron.context_parallel import _vocab_gluon as pp  # noqa: E402
+from megatron.context_parallel import vocab_ops  # noqa: E402
+
+dev = torch.device("cuda")
+SMS = vocab_ops._sm_count(dev)
+H = 5120
+
+VARIANTS = [
+    ("4 stages, group 16", {}),
+    ("5 stages, group 16", dict(stages=5)),
+    ("4 stages, group 8", dict(GROUP=8)),
+]
+
+
+def _inputs(n, vocab, seed):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    hidden = torch.randn(n, H, device=dev, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(vocab, H, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
+    return hidden, weight
+
+
+def _kernels(hidden, weight, width=None):
+    """The Triton kernel and each ping-pong variant over the same inputs and slices:
+    ``{name: (d, slices)}``."""
+    cfg = vocab_ops.kernel_config("bwd")
+    out = {"triton": dlogits_inputs(hidden, weight, dev, cfg, width=width)}
+    width = out["triton"][0].shape[1]
+    for label, over in VARIANTS:
+        pcfg = dict(pp.CONFIG, **over)
+
+        def launcher(*args, pcfg=pcfg):
+            pp.launch_dlogits_pingpong(*args, SMS, pcfg)
+
+        out[label] = dlogits_inputs(
+            hidden, weight, dev, dict(cfg, BN=pcfg["BN"]), launcher=launcher, width=width
+        )
+    return out
+
+
+def check(n, vocab, width):
+    hidden, weight = _inputs(n, vocab, n + vocab)
+    runs = _kernels(hidden, weight, width)
+    lines = []
+    ref_d, ref_slices = runs.pop("triton")
+    for label, (d, slices) in runs.items():
+        same, worst = True, 0.0
+        for (v0, v1, ref_launch), (_, _, launch) in zip(ref_slices, slices):
+            ref_d.fill_(float("nan"))
+            d.fill_(float("nan"))
+            ref_launch()
+            launch()
+            torch.cuda.synchronize()
+            a, b = ref_d[:, : v1 - v0], d[:, : v1 - v0]
+            same &= bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+            worst = max(worst, (a.float() - b.float()).abs().max().item())
+        lines.append(f"| {n} x {vocab} / {width} | {label} | {same} | {worst:.3g} |")
+    return lines
+
+
+FWD_VARIANTS = [
+    ("fwd kernel, 6 stages, group 8", {}),
+    ("fwd kernel, 4 stages, group 8", dict(stages=4)),
+    ("fwd kernel, 6 stages, group 16", dict(GROUP=16)),
+]
+
+
+def _forward_fns(hidden, weight):
+    """The whole k = 0 forward (Gluon and Triton kernels), and the Gluon kernel alone per
+    variant."""
+
+    def whole(pingpong):
+        def run():
+            saved = vocab_ops.kernel_config("fwd")
+            vocab_ops.set_kernel_config("fwd", pingpong=pingpong)
+            try:
+                vocab_ops.vocab_stats(hidden, weight, None, 0)
+            finally:
+                vocab_ops.set_kernel_config("fwd", **saved)
+
+        return run
+
+    fns = {"fwd call, Gluon": whole(True), "fwd call, Triton": whole(False)}
+    for label, over in FWD_VARIANTS:
+        cfg = dict(pp.STATS_CONFIG, **over)
+        part = torch.empty(pp.stats_tiles(weight.shape[0], cfg), 3, hidden.shape[0], device=dev)
+        fns[label] = lambda cfg=cfg, part=part: pp.launch_stats_pingpong(
+            hidden, weight, None, part, SMS, cfg
+        )
+    return fns
+
+
+def timing(n, vocab, reps):
+    hidden, weight = _inputs(n, vocab, 0)
+    logits = torch.empty(n, vocab, dtype=hidden.dtype, device=dev)
+    fns = {"gemm": lambda: torch.mm(hidden, weight.t(), out=logits)}
+    fns.update(_forward_fns(hidden, weight))
+    for label, (_, slices) in _kernels(hidden, weight).items():
+
+        def all_slices(slices=slices):
+            for _, _, launch in slices:
+                launch()
+
+        fns[label] = all_slices
+    _, ratios = time_round_robin(fns, dev, reps, 1, unit="gemm", lead_ms=2.0)
+    return [f"| {n} x {vocab} | {label} | {r:.3f} |" for label, r in ratios.items()]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument(
+        "--shapes", default="8192x151936,20436x151936,8192x37984,20436x37984", help="NxV,..."
+    )
+    args = parser.parse_args(argv)
+    print(f"# ping-pong d_logits, {torch.cuda.get_device_name()}, H = {H}, bf16\n")
+    print("| shape / slice width | kernel | bits equal to Triton | max abs diff |")
+    print("|---|---|---|---:|")
+    for n, vocab, width in [
+        (1000, 3000, 1024),
+        (333, 2999, 640),
+        (2000, 20000, 4096),
+        (4100, 37984, None),
+    ]:
+        for line in check(n, vocab, width):
+            print(line, flush=True)
+    print("\n| shape | kernel (d_logits: all slices) | GEMMs (queued) |")
+    print("|---|---|---:|")
+    for shape in args.shapes.split(","):
+        n, vocab = map(int, shape.split("x"))
+        for line in timing(n, vocab, args.reps):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
