@@ -21,8 +21,9 @@ so the tiles in flight share operands in L2.
 
 Both kernels' logits agree with the Triton ones to a few fp32 units in the last place (equal
 bits on most shapes; the two issue different wgmma shapes). H200, bf16, H = 5,120 (RESULTS.md
-"Session 11"): the forward kernel alone 0.96-1.01 GEMMs (the Triton one 1.03-1.07 as a whole
-call); d_logits over all slices 1.01-1.07 against the Triton kernel's 1.07-1.13.
+"Session 11", queued): the forward kernel alone 0.96-1.01 GEMMs (whole k = 0 call 0.98-1.04,
+the Triton one 0.97-1.07); d_logits over all slices 1.01-1.09 against the Triton kernel's
+1.07-1.13.
 
 Written in Gluon (``triton.experimental.gluon``, Triton's explicit-layout dialect, whose warp
 specialisation works on Hopper where Triton 3.6's automatic one does not), against the Triton
