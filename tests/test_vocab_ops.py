@@ -411,6 +411,19 @@ def test_fp32_inputs_take_the_fp32_tile(monkeypatch):
     assert vocab_ops.kernel_config("fp32")["BN"] != vocab_ops.kernel_config("fwd")["BN"]
 
 
+def test_restoring_a_saved_config_undoes_promote(monkeypatch):
+    # Tests and benchmarks restore a kernel_config copy with set_kernel_config, which only
+    # updates keys: a switch absent from the copy would stay on (a leaked promote=True kept the
+    # Gluon kernels off in later GPU tests). Every tensor-core config spells promote out.
+    for name in ("fwd", "fwd_topk", "bwd"):
+        monkeypatch.setitem(vocab_ops._CONFIG, name, vocab_ops.kernel_config(name))
+        saved = vocab_ops.kernel_config(name)
+        vocab_ops.set_kernel_config(name, promote=True, pingpong=False)
+        vocab_ops.set_kernel_config(name, **saved)
+        assert vocab_ops.kernel_config(name) == saved
+        assert saved["promote"] is False
+
+
 @pytest.mark.skipif(vocab_ops._vocab_triton is None, reason="needs Triton")
 def test_split_model_follows_config_changes(monkeypatch):
     # The split count is memoised on the config values it reads: a change must reach it.

@@ -153,7 +153,8 @@ def test_stats_against_cpu_and_fp64(n, vocab, width, k, dtype, loading):
         ("max", "target", "values"), got[:3:2] + got[3:4], (ref_max, ref_pick, ref_values)
     ):
         assert torch.isfinite(a).all(), name
-        assert (a.cpu().double() - b).abs().max().item() <= tol, name
+        if a.numel():  # no values with k = 0
+            assert (a.cpu().double() - b).abs().max().item() <= tol, name
     ours_sum = got[1].cpu().double() * torch.exp(got[0].cpu().double() - ref_max)
     assert rel_err(ours_sum, ref_sum) < 1e-5
     torch.testing.assert_close(got[2].cpu(), cpu[2], rtol=0, atol=tol)

@@ -107,7 +107,10 @@ _LISTED_BYTES = 64 << 20
 # that picks the number of vocabulary splits.
 # All three share one tile: 128x256x64, 8 warps, 3 stages, operands through tensor descriptors
 # (fp16 / bf16 inputs; fp32 inputs take the "fp32" entries instead).
-_TILE = dict(BM=128, BN=256, BK=64, warps=8, stages=3, ctas_per_sm=1, tma=True)
+# The switches are spelled out so that restoring a saved copy with set_kernel_config undoes them.
+_TILE = dict(
+    BM=128, BN=256, BK=64, warps=8, stages=3, ctas_per_sm=1, tma=True, promote=False, pingpong=False
+)
 _CONFIG = {
     # pingpong ("fwd" and "bwd"): the warp-specialised Gluon kernels of _vocab_gluon (their own
     # tiles) where they run; the entries before it configure the Triton kernels, used otherwise.
