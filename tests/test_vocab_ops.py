@@ -442,3 +442,26 @@ def test_split_model_follows_config_changes(monkeypatch):
     # fp32 inputs: the model sees their tile (64 x 64: 4 times the row blocks and tiles).
     fp32 = vocab_ops.forward_splits(20436, 151936, 0, 132, dtype=torch.float32)
     assert fp32 == vocab_ops._vocab_triton.choose_splits(320, 2374, 132, 0)
+
+
+@pytest.mark.skipif(vocab_ops._vocab_gluon is None, reason="needs Triton's Gluon")
+def test_gluon_topk_splits_balance_the_programs():
+    # The busiest persistent program walks at most 5% over an even share where 16 splits allow
+    # it, with the fewest splits that do (each adds 2 k merge keys per row).
+    from megatron.context_parallel import _vocab_gluon
+
+    cfg = _vocab_gluon.TOPK_CONFIG
+    for n, vocab, slots in [(8192, 37984, 132), (20436, 151936, 132), (4100, 37984, 132)]:
+        num_r, num_c = -(-n // cfg["BM"]), -(-vocab // cfg["BN"])
+        even = num_r * num_c / slots
+
+        def busiest(splits, num_r=num_r, num_c=num_c, slots=slots):
+            per = -(-num_c // splits)
+            return -(-(num_r * -(-num_c // per)) // slots) * per
+
+        splits = _vocab_gluon.topk_splits(n, vocab, slots)
+        assert busiest(splits) <= 1.05 * even
+        assert all(busiest(s) > 1.05 * even for s in range(1, splits))
+    # A few rows: more splits to fill the device, at most 16.
+    assert _vocab_gluon.topk_splits(64, 151936, 132) == 16
+    assert _vocab_gluon.topk_splits(1, 10, 132) == 1

@@ -349,7 +349,9 @@ def _triton_then_gluon(monkeypatch, config, launcher, run):
 
     launches = []
     real = getattr(_vocab_gluon, launcher)
-    monkeypatch.setattr(_vocab_gluon, launcher, lambda *a: launches.append(1) or real(*a))
+    monkeypatch.setattr(
+        _vocab_gluon, launcher, lambda *a, **kw: launches.append(1) or real(*a, **kw)
+    )
     saved = vocab_ops.kernel_config(config)
     results = []
     try:
@@ -531,3 +533,49 @@ def test_torch_compile_and_opcheck():
         ops.vocab_stats_backward.default,
         (hidden, weight, row_max, g_s, ids, g_ids, 64, True, True, None),
     )
+
+
+@_HOPPER
+@pytest.mark.parametrize(
+    "n,vocab,width,k,dtype,with_target",
+    [
+        (333, 2999, 136, 20, torch.bfloat16, True),  # ragged rows and columns, H % 64 != 0
+        (64, 130, 64, 5, torch.bfloat16, True),  # targets past the shard's end, in its last tile
+        (2000, 20000, 256, 20, torch.bfloat16, False),  # several tiles per consumer and unit
+        (12800, 200, 64, 20, torch.bfloat16, True),  # one-tile units: a consumer sits some out
+        (1000, 5003, 64, 1, torch.float16, True),
+        (100, 40, 64, 64, torch.bfloat16, True),  # k past the shard: empty slots
+        (4100, 37984, 128, 20, torch.bfloat16, True),  # a TP-4 shard's width, two splits
+    ],
+)
+def test_gluon_topk_against_the_triton_kernel(n, vocab, width, k, dtype, with_target, monkeypatch):
+    from megatron.context_parallel import _vocab_gluon
+
+    assert _vocab_gluon.builds(torch.device("cuda"), dtype, "topk")
+    hidden, weight, gen = _inputs(n, vocab, width, dtype, n + vocab + k)
+    target = None
+    if with_target:
+        target = torch.randint(-3, vocab + 3, (n,), generator=gen)
+        target[: min(n, 4)] = torch.tensor([vocab, vocab + 1, -1, 0])[: min(n, 4)]
+        target = target.cuda()
+    outs = _triton_then_gluon(
+        monkeypatch,
+        "fwd_topk",
+        "launch_topk_pingpong",
+        lambda: vocab_stats(hidden, weight, target, k),
+    )
+    (t_max, t_sum, t_tgt, t_val, t_ids), (g_max, g_sum, g_tgt, g_val, g_ids) = outs
+    # Each consumer sums its own tiles, merged after: rounding order differs from the Triton
+    # kernel's running sum over the split.
+    for gluon, triton_ in ((g_max, t_max), (g_tgt, t_tgt), (g_sum, t_sum)):
+        torch.testing.assert_close(gluon, triton_, rtol=1e-5, atol=1e-5)
+    # Both issue 64 x 256 wgmma products per warpgroup over the same K order: the same logits,
+    # so the same exact top-k (ties to the lower id; empty slots -inf with id -1).
+    assert torch.equal(g_val.isinf(), t_val.isinf())
+    torch.testing.assert_close(g_val, t_val, rtol=0, atol=1e-5)
+    vals = t_val.cpu()
+    apart = (vals[:, :-1] - vals[:, 1:]) > 1e-4
+    clear = torch.ones(vals.shape, dtype=torch.bool)
+    clear[:, :-1] &= apart
+    clear[:, 1:] &= apart
+    assert torch.equal(g_ids.cpu()[clear], t_ids.cpu()[clear])

@@ -1,5 +1,5 @@
 """Gluon kernels of the vocab-parallel head on Hopper (used by ``vocab_ops``; not a public
-module): the forward's statistics without a top-k, and the backward's ``d_logits``.
+module): the forward's statistics without and with a top-k, and the backward's ``d_logits``.
 
 Both are a ``hidden @ weight.T`` matmul whose fp32 logits tiles never leave registers, built so
 that the epilogue does not stall the tensor cores. The Triton kernels (``_vocab_triton``) run a
@@ -16,11 +16,18 @@ so the tiles in flight share operands in L2.
 * ``_stats_pingpong_kernel``: per tile, the rows' max, sum of ``exp(logit - max)`` and the
   target's logit, written per 128-column block; ``vocab_ops._combine_splits`` merges the blocks
   (fp32 ``[V / 128, 3, n]``: 0.29 GiB at 20,436 x 151,936).
+* ``_topk_pingpong_kernel``: the forward with a running top-k (grouped candidates and a fixed
+  number of selection passes per tile, as ``_vocab_triton``'s). Its work units are a row block
+  and a contiguous run of column tiles, whose tiles the two consumers take in turns, each with
+  its own running statistics and top-k, written per unit and consumer for
+  ``vocab_ops._combine_splits``. A consumer's tile is 64 x 256, as each warpgroup's half of the
+  Triton kernel's tile (128 x 128 holds twice the rows' slots per thread and spills).
 * ``_dlogits_pingpong_kernel``: the same ``d_logits`` as ``_vocab_triton._dlogits_kernel``
   (rounded once to the input dtype), stored through TMA from a per-consumer shared-memory tile.
 
-Both kernels' logits agree with the Triton ones to a few fp32 units in the last place (equal
-bits on most shapes; the two issue different wgmma shapes). H200, bf16, H = 5,120 (RESULTS.md
+The statistics and d_logits kernels' logits agree with the Triton ones to a few fp32 units in
+the last place (equal bits on most shapes; they issue 64x128 wgmma products, the Triton kernels
+64x256, as the top-k kernel does). H200, bf16, H = 5,120 (RESULTS.md
 "Session 11", queued): the forward kernel alone 0.96-1.01 GEMMs (whole k = 0 call 0.98-1.04,
 the Triton one 0.97-1.07); d_logits over all slices 1.01-1.09 against the Triton kernel's
 1.07-1.13.
@@ -337,6 +344,282 @@ def _stats_pingpong_kernel(
     )
 
 
+# --- The forward with a running top-k -------------------------------------------------------
+# Work comes in units: one row block and a contiguous range of column tiles (a "split"), as in
+# the Triton forward. A program walks its units one after another; its two consumers take the
+# units' tiles in turns (the program's tile sequence, not each unit's, sets whose turn it is),
+# and each keeps its own running statistics and top-k over the tiles it took of the unit. At a
+# unit's end each consumer writes one partial result: slot ``2 * split + CID``. A consumer that
+# took no tile of a unit (a one-tile unit on the other's turn) writes its empty state, which
+# merges as nothing.
+
+_KEY_MAX = gl.constexpr(9223372036854775807)
+_KEY_MIN = gl.constexpr(-9223372036854775807)
+_BIG = gl.constexpr(2147483647)
+
+
+@gluon.jit
+def _order_key(v, c):
+    # As _vocab_triton._order_key: int64 keys ordering fp32 values, then lower int32 columns.
+    b = v.to(gl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(gl.int64) << 32) | (0xFFFFFFFF - c.to(gl.int64))
+
+
+@gluon.jit
+def _key_value(key):
+    b = (key >> 32).to(gl.int32)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return b.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _key_col(key):
+    return (0xFFFFFFFF - (key & 0xFFFFFFFF)).to(gl.int32)
+
+
+@gluon.constexpr_function
+def _slots_layout(KP):
+    # The running top-k's [BM, KP] keys: the accumulator's rows per thread, a row's slots spread
+    # over the four threads that share it, as a wgmma accumulator of KP columns would be.
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KP, 16])
+
+
+@gluon.jit
+def _like_rows(x, ref):
+    """``x`` (``[BM]``) in the row layout of the 2-D tensor ``ref``: the same threads hold the
+    same rows in every layout used here, so this moves no data."""
+    return gl.convert_layout(x, gl.SliceLayout(1, ref.type.layout))
+
+
+@gluon.jit
+def _group_top2_gl(acc, col0, G: gl.constexpr):
+    """Each column group's two largest logits of one ``[BM, BN]`` tile (first column ``col0``),
+    as ``_vocab_triton._group_top2``: columns ``j * G + b`` form group ``b``, all held by one
+    thread in the wgmma accumulator layout, so the reductions stay in registers. Returns int64
+    ``[BM, 2 G]`` order keys of the candidates (the minimum key where a candidate is not a logit)
+    and fp32 ``[BM]`` the largest logit not among them."""
+    BM: gl.constexpr = acc.shape[0]
+    BN: gl.constexpr = acc.shape[1]
+    J: gl.constexpr = BN // G
+    x = gl.reshape(acc, [BM, J, G])
+    x3: gl.constexpr = x.type.layout
+    jj = gl.arange(0, J, layout=gl.SliceLayout(0, gl.SliceLayout(2, x3)))
+    jj = gl.expand_dims(gl.expand_dims(jj, 0), 2)
+    gb = col0 + gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, x3)))
+    gb = gl.expand_dims(gb, 0)
+    v1 = gl.max(x, axis=1)
+    j1 = gl.min(gl.where(x == gl.expand_dims(v1, 1), jj, J), axis=1)
+    x = gl.where(jj == gl.expand_dims(j1, 1), float("-inf"), x)
+    v2 = gl.max(x, axis=1)
+    j2 = gl.min(gl.where(x == gl.expand_dims(v2, 1), jj, J), axis=1)
+    x = gl.where(jj == gl.expand_dims(j2, 1), float("-inf"), x)
+    beyond = gl.max(gl.max(x, axis=1), axis=1)
+    cand_v = gl.reshape(gl.join(v1, v2), [BM, 2 * G])
+    cand_c = gl.reshape(gl.join(j1 * G + gb, j2 * G + gb), [BM, 2 * G])
+    # Masked columns (past the shard) hold -inf: not candidates.
+    cand_k = gl.where(cand_v > float("-inf"), _order_key(cand_v, cand_c), _KEY_MIN)
+    return cand_k, beyond
+
+
+@gluon.jit
+def _offer_gl(cand_k, top_k, thr_k, drop, PASSES: gl.constexpr):
+    """``PASSES`` selection passes: each offers the row's next candidate key (descending) to the
+    running top-k ``top_k`` (int64 ``[BM, KP]`` keys, row minimum ``thr_k``), replacing the
+    row's smallest slot when larger. Keys are distinct, so a pass is two reductions. Returns the
+    new ``top_k``, ``thr_k`` and ``drop``: the largest logit above the row minimum that the
+    passes did not reach (for the exactness check)."""
+    last_k = gl.full([cand_k.shape[0]], _KEY_MAX, gl.int64, gl.SliceLayout(1, cand_k.type.layout))
+    for _ in gl.static_range(PASSES):
+        best = gl.max(gl.where(cand_k < gl.expand_dims(last_k, 1), cand_k, _KEY_MIN), axis=1)
+        best_t = _like_rows(best, top_k)
+        put = (top_k == gl.expand_dims(thr_k, 1)) & gl.expand_dims(best_t > thr_k, 1)
+        top_k = gl.where(put, gl.expand_dims(best_t, 1), top_k)
+        thr_k = gl.min(top_k, axis=1)
+        last_k = best
+    rest = gl.max(gl.where(cand_k < gl.expand_dims(last_k, 1), cand_k, _KEY_MIN), axis=1)
+    rest = _like_rows(rest, top_k)
+    missed = gl.where(rest > thr_k, _key_value(rest), float("-inf"))
+    drop = gl.maximum(drop, gl.convert_layout(missed, drop.type.layout))
+    return top_k, thr_k, drop
+
+
+@gluon.jit
+def _unit_tiles(u, num_r, num_c, per, GROUP_R: gl.constexpr):
+    """Unit ``u``'s row block and its column tiles ``lo .. hi``."""
+    num_s = gl.cdiv(num_c, per)
+    r, split = _tile_of(u, num_r, num_s, GROUP_R)
+    lo = split * per
+    return r, split, lo, gl.minimum(lo + per, num_c)
+
+
+@gluon.jit
+def _units_load_partition(
+    h_desc, w_desc, a_bufs, b_bufs, ready, empty, n, vocab, per, num_progs, GROUP_R: gl.constexpr
+):
+    BM: gl.constexpr = h_desc.block_type.shape[0]
+    BK: gl.constexpr = h_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    NB: gl.constexpr = a_bufs.type.shape[0]
+    kt = gl.cdiv(h_desc.shape[1], BK)
+    num_r = gl.cdiv(n, BM)
+    num_c = gl.cdiv(vocab, BN)
+    units = num_r * gl.cdiv(num_c, per)
+    seq = 0
+    for u in range(gl.program_id(0), units, num_progs):
+        r, split, lo, hi = _unit_tiles(u, num_r, num_c, per, GROUP_R)
+        for c in range(lo, hi):
+            for kk in range(kt):
+                s = seq % NB
+                mbarrier.wait(empty.index(s), ((seq // NB) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(h_desc, [r * BM, kk * BK], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc, [c * BN, kk * BK], bar, b_bufs.index(s))
+                seq += 1
+
+
+@gluon.jit
+def _topk_consumer(
+    ring,
+    args,
+    n,
+    vocab,
+    per,
+    num_progs,
+    GROUP_R: gl.constexpr,
+    HAS_TARGET: gl.constexpr,
+    K: gl.constexpr,
+    KP: gl.constexpr,
+    G: gl.constexpr,
+    PASSES: gl.constexpr,
+    CID: gl.constexpr,
+):
+    """Consumer ``CID`` of the top-k forward: per unit, the running max, sum of exp, target logit
+    and top-k (grouped candidates, ``PASSES`` passes a tile, as ``_vocab_triton``'s
+    ``_offer_grouped``) over the unit's tiles it takes, then its partial result (slot
+    ``2 * split + CID``): ``part`` fp32 ``[2 S, 4, n]`` (max, sum_exp, target logit, largest logit
+    left out of the selection), ``topv`` / ``topi`` fp32 / int32 ``[2 S, n, KP]``."""
+    h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn = ring
+    part_ptr, topv_ptr, topi_ptr, tgt_ptr = args
+    BM: gl.constexpr = h_desc.block_type.shape[0]
+    BK: gl.constexpr = h_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    layout: gl.constexpr = _acc_layout(BN)
+    slots: gl.constexpr = _slots_layout(KP)
+    row_l: gl.constexpr = gl.SliceLayout(1, layout)
+    kt = gl.cdiv(h_desc.shape[1], BK)
+    num_r = gl.cdiv(n, BM)
+    num_c = gl.cdiv(vocab, BN)
+    units = num_r * gl.cdiv(num_c, per)
+    kcols = gl.arange(0, KP, layout=gl.SliceLayout(0, slots))
+    j0 = 0
+    for u in range(gl.program_id(0), units, num_progs):
+        r, split, lo, hi = _unit_tiles(u, num_r, num_c, per, GROUP_R)
+        rows = r * BM + gl.arange(0, BM, layout=row_l)
+        rmask = rows < n
+        rows_ld = gl.where(rmask, rows, 0).to(gl.int64)
+        m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
+        s_i = gl.zeros([BM], gl.float32, row_l)
+        t_i = gl.zeros([BM], gl.float32, row_l)
+        bound = gl.full([BM], float("-inf"), gl.float32, row_l)
+        drop = gl.full([BM], float("-inf"), gl.float32, row_l)
+        # Empty slots below K hold distinct keys under every real one; slots past K hold keys
+        # over every real one, so they are never the row minimum. (Built per unit: kept across
+        # the loop it would hold as many registers as the top-k itself.)
+        slot = gl.zeros([BM, KP], gl.int64, slots) + gl.expand_dims(kcols, 0).to(gl.int64)
+        neg_inf = gl.full([BM, KP], float("-inf"), gl.float32, slots)
+        empty_k = _order_key(neg_inf, gl.zeros([BM, KP], gl.int32, slots)) - 0xFFFFFFFF + slot
+        top_k = gl.where(gl.expand_dims(kcols, 0) < K, empty_k, _KEY_MAX - slot)
+        thr_k = gl.min(top_k, axis=1)
+        if HAS_TARGET:
+            tgt = gl.load(tgt_ptr + rows_ld)
+            tgt = gl.where((tgt >= 0) & (tgt < vocab), tgt, -1).to(gl.int32)
+        # This consumer's tiles of the unit: those whose place in the program's sequence has its
+        # parity.
+        for c in range(lo + (j0 + CID) % 2, hi, 2):
+            j = j0 + c - lo
+            acc = _tile_products(
+                h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, j, kt, layout, CID
+            )
+            cols = c * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+            acc = gl.where(gl.expand_dims(cols < vocab, 0), acc, float("-inf"))
+            tile_max = gl.max(acc, axis=1)
+            m_new = gl.maximum(m_i, tile_max)
+            p = gl.exp2(acc * _LOG2E - gl.expand_dims(m_new * _LOG2E, 1))
+            s_i = s_i * gl.exp2((m_i - m_new) * _LOG2E) + gl.sum(p, axis=1)
+            m_i = m_new
+            if HAS_TARGET:
+                hit = gl.expand_dims(cols, 0) == gl.expand_dims(tgt, 1)
+                t_i += gl.sum(gl.where(hit, acc, 0.0), axis=1)
+            cand_k, beyond = _group_top2_gl(acc, c * BN, G)
+            bound = gl.maximum(bound, gl.convert_layout(beyond, row_l))
+            top_k, thr_k, drop = _offer_gl(cand_k, top_k, thr_k, drop, PASSES)
+        out = part_ptr + (2 * split + CID).to(gl.int64) * 4 * n + rows_ld
+        gl.store(out, m_i, mask=rmask)
+        gl.store(out + n, s_i, mask=rmask)
+        gl.store(out + 2 * n, t_i, mask=rmask)
+        gl.store(out + 3 * n, gl.maximum(bound, drop), mask=rmask)
+        top_v = _key_value(top_k)
+        top_i = _key_col(top_k)
+        # Empty slots decode to -inf and a negative column.
+        top_i = gl.where((top_i >= 0) & (top_i < vocab), top_i, -1)
+        top_v = gl.where(gl.expand_dims(kcols, 0) < K, top_v, float("-inf"))
+        rows_s = gl.convert_layout(rows_ld, gl.SliceLayout(1, slots))
+        at = gl.expand_dims(((2 * split + CID) * n + rows_s) * KP, 1) + gl.expand_dims(kcols, 0)
+        smask = gl.expand_dims(gl.convert_layout(rmask, gl.SliceLayout(1, slots)), 1)
+        smask = smask & (gl.expand_dims(kcols, 0) < KP)
+        gl.store(topv_ptr + at, top_v, mask=smask)
+        gl.store(topi_ptr + at, top_i, mask=smask)
+        j0 += hi - lo
+
+
+@gluon.jit(do_not_specialize=["n", "vocab", "per", "num_progs"])
+def _topk_pingpong_kernel(
+    h_desc,
+    w_desc,
+    part_ptr,
+    topv_ptr,
+    topi_ptr,
+    tgt_ptr,
+    n,
+    vocab,
+    per,
+    num_progs,
+    HAS_TARGET: gl.constexpr,
+    K: gl.constexpr,
+    KP: gl.constexpr,
+    G: gl.constexpr,
+    PASSES: gl.constexpr,
+    GROUP_R: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    REGS_MMA: gl.constexpr,
+    REGS_LOAD: gl.constexpr,
+):
+    a_bufs, b_bufs, ready, empty, turn = _ring(h_desc, w_desc, NUM_BUF)
+    ring = (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn)
+    args = (part_ptr, topv_ptr, topi_ptr, tgt_ptr)
+    # Written out: a tuple built with + here would lose its constexpr entries.
+    gl.warp_specialize(
+        [
+            (
+                _topk_consumer,
+                (ring, args, n, vocab, per, num_progs, GROUP_R, HAS_TARGET, K, KP, G, PASSES, 0),
+            ),
+            (
+                _topk_consumer,
+                (ring, args, n, vocab, per, num_progs, GROUP_R, HAS_TARGET, K, KP, G, PASSES, 1),
+            ),
+            (
+                _units_load_partition,
+                (h_desc, w_desc, a_bufs, b_bufs, ready, empty, n, vocab, per, num_progs, GROUP_R),
+            ),
+        ],
+        [4, 1],
+        [REGS_MMA, REGS_LOAD],
+    )
+
+
 def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
@@ -431,13 +714,93 @@ def launch_stats_pingpong(hidden, weight, target, part, slots, cfg=None):
     )
 
 
+# The top-k forward: one consumer's tile is 64 x 256, as each warpgroup's half of the Triton
+# kernel's 128 x 256 tile: with 128 x 128 a consumer holds twice the rows' top-k slots and
+# candidates, and spills (ptxas, sm_90a, k = 20: 900 bytes; none at 64 x 256). G: column groups
+# per tile (8: one thread holds a group in the wgmma accumulator layout); passes: selection
+# passes per tile (vocab_ops passes its "fwd_topk" entry).
+TOPK_CONFIG = dict(CONFIG, BM=64, BN=256, GROUP=16, G=8, passes=3)
+
+
+def topk_splits(n: int, vocab: int, slots: int, cfg=None) -> int:
+    """Column splits per row block for the top-k forward. Units of one row block and ``per``
+    tiles go to ``min(units, slots)`` persistent programs; the busiest walks ``ceil(units /
+    slots) * per`` tiles. Every split adds ``2 k`` keys per row to the merge (with the Triton
+    forward, 30 splits ran 0.04-0.06 GEMMs slower than 2 at 8,192 x 37,984, H200, RESULTS.md
+    "Session 8"), so: the fewest splits (at most 16) whose busiest program walks at most 5% more
+    tiles than an even share, else the fewest with the least."""
+    cfg = cfg or TOPK_CONFIG
+    num_r = triton.cdiv(n, cfg["BM"])
+    num_c = triton.cdiv(vocab, cfg["BN"])
+    even = num_r * num_c / min(slots, num_r * num_c)
+    best, best_cost = 1, None
+    for want in range(1, min(num_c, 16) + 1):
+        per = triton.cdiv(num_c, want)
+        splits = triton.cdiv(num_c, per)
+        cost = triton.cdiv(num_r * splits, slots) * per
+        if cost <= 1.05 * even:
+            return splits
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+def topk_buffers(n: int, vocab: int, k: int, splits: int, device):
+    """The top-k forward's partial results for ``splits`` splits: fp32 ``[2 S, 4, n]`` and fp32 /
+    int32 ``[2 S, n, KP]`` slots (two per split: one per consumer)."""
+    kp = max(8, 1 << (k - 1).bit_length())
+    return (
+        torch.empty(2 * splits, 4, n, dtype=torch.float32, device=device),
+        torch.empty(2 * splits, n, kp, dtype=torch.float32, device=device),
+        torch.empty(2 * splits, n, kp, dtype=torch.int32, device=device),
+    )
+
+
+def _topk_args(hidden, weight, target, part, topv, topi, per, progs, cfg):
+    h_desc, w_desc = _operands(hidden, weight, cfg)
+    tgt = target if target is not None else part
+    n, vocab = hidden.shape[0], weight.shape[0]
+    return (h_desc, w_desc, part, topv, topi, tgt, n, vocab, per, progs)
+
+
+def _topk_meta(target, k, kp, cfg):
+    return dict(
+        HAS_TARGET=target is not None,
+        K=k,
+        KP=kp,
+        G=cfg["G"],
+        PASSES=cfg["passes"],
+        **_meta(cfg),
+    )
+
+
+def launch_topk_pingpong(
+    hidden, weight, target, k, part, topv, topi, splits, slots, passes=None, cfg=None
+):
+    """The forward with a running top-k ``k``: into the buffers of ``topk_buffers(n, V, k,
+    splits)``, per split and consumer, the statistics of ``launch_stats_pingpong`` over the
+    tiles it took, the largest logit left out of its selection, and its top-k slots (values
+    descending not guaranteed; empty slots -inf with id -1), for ``vocab_ops._combine_splits``.
+    Operands must suit the copy engine (``_vocab_triton.tma_ok``)."""
+    cfg = dict(cfg or TOPK_CONFIG)
+    if passes:
+        cfg["passes"] = passes
+    n, vocab = hidden.shape[0], weight.shape[0]
+    num_c = triton.cdiv(vocab, cfg["BN"])
+    per = triton.cdiv(num_c, splits)
+    units = triton.cdiv(n, cfg["BM"]) * triton.cdiv(num_c, per)
+    progs = min(units, slots)
+    args = _topk_args(hidden, weight, target, part, topv, topi, per, progs, cfg)
+    _topk_pingpong_kernel[(progs,)](*args, **_topk_meta(target, k, topv.shape[2], cfg))
+
+
 _BUILDS = {}
 
 
 def builds(device: torch.device, dtype: torch.dtype, kernel: str) -> bool:
-    """Whether ``kernel`` ("dlogits" or "stats") can run on ``device`` for ``dtype`` inputs: a
-    Hopper GPU (the kernels issue wgmma, which only sm_90 has), bf16 or fp16, and this Triton's
-    Gluon compiles it.
+    """Whether ``kernel`` ("dlogits", "stats" or "topk") can run on ``device`` for ``dtype``
+    inputs: a Hopper GPU (the kernels issue wgmma, which only sm_90 has), bf16 or fp16, and this
+    Triton's Gluon compiles it.
 
     Checked once per device, dtype and kernel by compiling (not launching: safe under CUDA-graph
     capture) on placeholder tensors; a failure warns once and returns False."""
@@ -454,7 +817,7 @@ def _try_build(index: int, dtype: torch.dtype, kernel: str) -> bool:
     if torch.cuda.get_device_capability(index)[0] != 9:
         return False
     dev = torch.device("cuda", index)
-    cfg = CONFIG if kernel == "dlogits" else STATS_CONFIG
+    cfg = {"dlogits": CONFIG, "stats": STATS_CONFIG, "topk": TOPK_CONFIG}[kernel]
     rows, cols = cfg["BM"], cfg["BN"]
     hidden = torch.empty(rows, cfg["BK"], dtype=dtype, device=dev)
     weight = torch.empty(cols, cfg["BK"], dtype=dtype, device=dev)
@@ -466,6 +829,12 @@ def _try_build(index: int, dtype: torch.dtype, kernel: str) -> bool:
             pos = torch.empty(rows, 2, dtype=torch.int32, device=dev)
             args = _dlogits_args(hidden, weight, vec, vec, ids, vec, pos, d, 0, 1, cfg)
             _dlogits_pingpong_kernel.warmup(*args, grid=(1,), **_meta(cfg))
+        elif kernel == "topk":
+            part, topv, topi = topk_buffers(rows, cols, 1, 1, dev)
+            tgt = torch.empty(rows, dtype=torch.int64, device=dev)
+            args = _topk_args(hidden, weight, tgt, part, topv, topi, 1, 1, cfg)
+            meta = _topk_meta(tgt, 1, topv.shape[2], cfg)
+            _topk_pingpong_kernel.warmup(*args, grid=(1,), **meta)
         else:
             part = torch.empty(1, 3, rows, dtype=torch.float32, device=dev)
             tgt = torch.empty(rows, dtype=torch.int64, device=dev)

@@ -46,7 +46,9 @@ Paths:
     * CPU: torch, on inputs upcast to fp32 (bf16 and fp16 products are exact in fp32), exact and
       deterministic; the reference for the GPU path.
     * CUDA: Triton kernels (``_vocab_triton``). The forward is one fused matmul whose epilogue folds
-      each logits tile into the row statistics; the logits never reach memory. The backward
+      each logits tile into the row statistics; the logits never reach memory (on Hopper, with and
+      without a top-k, warp-specialised Gluon kernels, ``_vocab_gluon``, whose epilogue runs under
+      the other consumer's matmul). The backward
       recomputes the logits of a vocabulary slice in a fused kernel that writes ``d_logits`` in the
       input dtype (on Hopper a warp-specialised Gluon kernel, ``_vocab_gluon``, whose epilogue runs
       under the tensor cores' next tile; same bits), then cuBLAS forms the slice's ``grad_weight``
@@ -128,6 +130,7 @@ _CONFIG = {
         passes=3,
         pass_cost=0.01,
         reselect_ahead=128,
+        pingpong=True,
     ),
     "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True, pingpong=True),
     # fp32 inputs: replaces the tile entries of the three above. Their products run on the CUDA
@@ -442,10 +445,11 @@ def _split_buffers(splits: int, parts: int, n: int, k: int, device):
 
 
 def _pingpong(hidden, weight, cfg, kernel: str) -> bool:
-    """Whether ``kernel`` ("stats": the forward without a top-k, "dlogits": the backward's
-    d_logits) runs as the warp-specialised Gluon kernel of ``_vocab_gluon`` (configured, a Hopper
-    GPU, bf16 / fp16 operands the copy engine can load, Gluon builds it) rather than the Triton
-    one. ``promote`` keeps the Triton kernel: only it has the IEEE-added accumulation."""
+    """Whether ``kernel`` ("stats": the forward without a top-k, "topk": with one, "dlogits": the
+    backward's d_logits) runs as the warp-specialised Gluon kernel of ``_vocab_gluon``
+    (configured, a Hopper GPU, bf16 / fp16 operands the copy engine can load, Gluon builds it)
+    rather than the Triton one. ``promote`` keeps the Triton kernel: only it has the IEEE-added
+    accumulation."""
     return (
         bool(cfg.get("pingpong"))
         and not cfg.get("promote")
@@ -454,6 +458,18 @@ def _pingpong(hidden, weight, cfg, kernel: str) -> bool:
         and hidden.is_cuda
         and _vocab_triton.tma_ok(hidden, weight)
         and _vocab_gluon.builds(hidden.device, hidden.dtype, kernel)
+    )
+
+
+def _gluon_topk(hidden, weight, cfg, grouped) -> bool:
+    """Whether the forward with a top-k runs as the warp-specialised Gluon kernel: only it has
+    the grouped selection with a fixed number of passes per tile, over its own column groups."""
+    return (
+        bool(grouped)
+        and bool(cfg.get("passes"))
+        and _vocab_gluon is not None
+        and cfg.get("G") == _vocab_gluon.TOPK_CONFIG["G"]
+        and _pingpong(hidden, weight, cfg, "topk")
     )
 
 
@@ -478,11 +494,18 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
         return _combine_splits(part, None, None, 0, vocab)[:5]
     if grouped is None:
         grouped = _grouped_topk(k)
-    splits = forward_splits(n, vocab, k, slots, grouped, hidden.dtype)
-    part, top_v, top_i = _split_buffers(splits, 4 if grouped else 3, n, k, hidden.device)
-    _vocab_triton.launch_stats_fwd(
-        hidden, weight, target, k, part, top_v, top_i, splits, cfg, grouped
-    )
+    if k and _gluon_topk(hidden, weight, cfg, grouped):
+        splits = _vocab_gluon.topk_splits(n, vocab, slots)
+        part, top_v, top_i = _vocab_gluon.topk_buffers(n, vocab, k, splits, hidden.device)
+        _vocab_gluon.launch_topk_pingpong(
+            hidden, weight, target, k, part, top_v, top_i, splits, slots, passes=cfg["passes"]
+        )
+    else:
+        splits = forward_splits(n, vocab, k, slots, grouped, hidden.dtype)
+        part, top_v, top_i = _split_buffers(splits, 4 if grouped else 3, n, k, hidden.device)
+        _vocab_triton.launch_stats_fwd(
+            hidden, weight, target, k, part, top_v, top_i, splits, cfg, grouped
+        )
     row_max, sum_exp, target_logit, values, ids, redo = _combine_splits(
         part, top_v, top_i, k, vocab
     )
