@@ -55,6 +55,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# The order keys of the top-k, shared with the Triton kernels (a Gluon kernel may call them).
+from megatron.context_parallel._vocab_triton import (
+    _KEY_MAX,
+    _KEY_MIN,
+    _key_col,
+    _key_value,
+    _order_key,
+)
+
 _LOG2E = gl.constexpr(1.4426950408889634)
 
 # One consumer warpgroup's tile; ring stages (H200: 4 beat 5, which leaves shared memory no
@@ -86,23 +95,31 @@ def _load_partition(
     BM: gl.constexpr = h_desc.block_type.shape[0]
     BK: gl.constexpr = h_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    NB: gl.constexpr = a_bufs.type.shape[0]
     kt = gl.cdiv(h_desc.shape[1], BK)
     num_r = gl.cdiv(n, BM)
     num_c = gl.cdiv(width, BN)
     seq = 0
     for t in range(gl.program_id(0), num_r * num_c, num_progs):
         r, c = _tile_of(t, num_r, num_c, GROUP_R)
-        for kk in range(kt):
-            s = seq % NB
-            # Barriers start with their phase-1 wait complete: the first lap finds every stage
-            # free.
-            mbarrier.wait(empty.index(s), ((seq // NB) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(h_desc, [r * BM, kk * BK], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [v0 + c * BN, kk * BK], bar, b_bufs.index(s))
-            seq += 1
+        seq = _load_tile(h_desc, w_desc, a_bufs, b_bufs, ready, empty, seq, r * BM, v0 + c * BN, kt)
+
+
+@gluon.jit
+def _load_tile(h_desc, w_desc, a_bufs, b_bufs, ready, empty, seq, row0, col0, kt):
+    """Loads one tile's operands (hidden rows ``row0 ..``, weight rows ``col0 ..``, all ``kt``
+    K blocks) into the ring, from stage ``seq`` on; returns the next stage's sequence number."""
+    BK: gl.constexpr = h_desc.block_type.shape[1]
+    NB: gl.constexpr = a_bufs.type.shape[0]
+    for kk in range(kt):
+        s = seq % NB
+        # Barriers start with their phase-1 wait complete: the first lap finds every stage free.
+        mbarrier.wait(empty.index(s), ((seq // NB) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(h_desc, [row0, kk * BK], bar, a_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [col0, kk * BK], bar, b_bufs.index(s))
+        seq += 1
+    return seq
 
 
 @gluon.jit
@@ -353,30 +370,6 @@ def _stats_pingpong_kernel(
 # took no tile of a unit (a one-tile unit on the other's turn) writes its empty state, which
 # merges as nothing.
 
-_KEY_MAX = gl.constexpr(9223372036854775807)
-_KEY_MIN = gl.constexpr(-9223372036854775807)
-_BIG = gl.constexpr(2147483647)
-
-
-@gluon.jit
-def _order_key(v, c):
-    # As _vocab_triton._order_key: int64 keys ordering fp32 values, then lower int32 columns.
-    b = v.to(gl.int32, bitcast=True)
-    b = b ^ ((b >> 31) & 0x7FFFFFFF)
-    return (b.to(gl.int64) << 32) | (0xFFFFFFFF - c.to(gl.int64))
-
-
-@gluon.jit
-def _key_value(key):
-    b = (key >> 32).to(gl.int32)
-    b = b ^ ((b >> 31) & 0x7FFFFFFF)
-    return b.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _key_col(key):
-    return (0xFFFFFFFF - (key & 0xFFFFFFFF)).to(gl.int32)
-
 
 @gluon.constexpr_function
 def _slots_layout(KP):
@@ -460,7 +453,6 @@ def _units_load_partition(
     BM: gl.constexpr = h_desc.block_type.shape[0]
     BK: gl.constexpr = h_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    NB: gl.constexpr = a_bufs.type.shape[0]
     kt = gl.cdiv(h_desc.shape[1], BK)
     num_r = gl.cdiv(n, BM)
     num_c = gl.cdiv(vocab, BN)
@@ -469,14 +461,7 @@ def _units_load_partition(
     for u in range(gl.program_id(0), units, num_progs):
         r, split, lo, hi = _unit_tiles(u, num_r, num_c, per, GROUP_R)
         for c in range(lo, hi):
-            for kk in range(kt):
-                s = seq % NB
-                mbarrier.wait(empty.index(s), ((seq // NB) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(h_desc, [r * BM, kk * BK], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w_desc, [c * BN, kk * BK], bar, b_bufs.index(s))
-                seq += 1
+            seq = _load_tile(h_desc, w_desc, a_bufs, b_bufs, ready, empty, seq, r * BM, c * BN, kt)
 
 
 @gluon.jit
