@@ -315,11 +315,12 @@ def make_methods(names, notes):
                 out.append(Ours())
             elif name == "ours+top20":
                 out.append(Ours(TOPK, name="ours+top20"))
-            elif name == "ours+top20/triton":
-                # The Triton top-k forward, for a side-by-side with the Gluon one (the whole
-                # config: set_config resets what it is not given).
-                cfg = {"fwd_topk": dict(vocab_ops.kernel_config("fwd_topk"), pingpong=False)}
-                out.append(Ours(TOPK, name="ours+top20/triton", cfg=cfg))
+            elif name in ("ours+top20/triton", "ours+top20/gluon"):
+                # The top-k forward through the Triton or the Gluon kernel, side by side (the
+                # whole config: set_config resets what it is not given).
+                gluon = name.endswith("gluon")
+                cfg = {"fwd_topk": dict(vocab_ops.kernel_config("fwd_topk"), pingpong=gluon)}
+                out.append(Ours(TOPK, name=name, cfg=cfg))
             elif name == "ours@1024":
                 out.append(Ours(0, 1024, name="ours@1024"))
             elif name == "ours/ieee-acc":

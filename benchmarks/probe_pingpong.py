@@ -8,6 +8,9 @@ forward without a top-k (the whole call through each kernel, and the Gluon kerne
 config).
 
     PYTHONPATH=$PWD python3 benchmarks/probe_pingpong.py [--reps 7] [--shapes 20436x151936]
+
+``--topk``: instead, the top-20 forward: the whole call through the Gluon and the Triton
+kernels, each kernel alone, and the Gluon kernel per ring / grouping variant.
 """
 
 import argparse
@@ -110,6 +113,55 @@ def _forward_fns(hidden, weight):
     return fns
 
 
+TOPK_VARIANTS = [
+    ("top-20 kernel, 4 stages, group 16", {}),
+    ("top-20 kernel, 5 stages, group 16", dict(stages=5)),
+    ("top-20 kernel, 4 stages, group 8", dict(GROUP=8)),
+]
+
+
+def _topk_fns(hidden, weight, k=20):
+    """The whole top-k forward (Gluon and Triton kernels), each kernel alone (the Triton one
+    with the split count the call would take), and the Gluon kernel per variant."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+
+    def whole(pingpong):
+        def run():
+            saved = vocab_ops.kernel_config("fwd_topk")
+            vocab_ops.set_kernel_config("fwd_topk", pingpong=pingpong)
+            try:
+                vocab_ops.vocab_stats(hidden, weight, None, k)
+            finally:
+                vocab_ops.set_kernel_config("fwd_topk", **saved)
+
+        return run
+
+    fns = {"top-20 call, Gluon": whole(True), "top-20 call, Triton": whole(False)}
+    cfg = vocab_ops.kernel_config("fwd_topk")
+    splits = vocab_ops.forward_splits(n, vocab, k, SMS)
+    bufs = vocab_ops._split_buffers(splits, 4, n, k, dev)
+    fns[f"top-20 Triton kernel alone ({splits} splits)"] = lambda: (
+        vocab_ops._vocab_triton.launch_stats_fwd(hidden, weight, None, k, *bufs, splits, cfg, True)
+    )
+    for label, over in TOPK_VARIANTS:
+        tcfg = dict(pp.TOPK_CONFIG, **over)
+        tsplits = pp.topk_splits(n, vocab, SMS, tcfg)
+        tbufs = pp.topk_buffers(n, vocab, k, tsplits, dev)
+        fns[f"{label} ({tsplits} splits)"] = lambda tcfg=tcfg, s=tsplits, b=tbufs: (
+            pp.launch_topk_pingpong(hidden, weight, None, k, *b, s, SMS, cfg=tcfg)
+        )
+    return fns
+
+
+def topk_timing(n, vocab, reps):
+    hidden, weight = _inputs(n, vocab, 0)
+    logits = torch.empty(n, vocab, dtype=hidden.dtype, device=dev)
+    fns = {"gemm": lambda: torch.mm(hidden, weight.t(), out=logits)}
+    fns.update(_topk_fns(hidden, weight))
+    _, ratios = time_round_robin(fns, dev, reps, 1, unit="gemm", lead_ms=2.0)
+    return [f"| {n} x {vocab} | {label} | {r:.3f} |" for label, r in ratios.items()]
+
+
 def timing(n, vocab, reps):
     hidden, weight = _inputs(n, vocab, 0)
     logits = torch.empty(n, vocab, dtype=hidden.dtype, device=dev)
@@ -132,7 +184,19 @@ def main(argv=None):
     parser.add_argument(
         "--shapes", default="8192x151936,20436x151936,8192x37984,20436x37984", help="NxV,..."
     )
+    parser.add_argument(
+        "--topk", action="store_true", help="only the top-20 forward: calls and kernels alone"
+    )
     args = parser.parse_args(argv)
+    if args.topk:
+        print(f"# ping-pong top-20 forward, {torch.cuda.get_device_name()}, H = {H}, bf16\n")
+        print("| shape | kernel | GEMMs (queued) |")
+        print("|---|---|---:|")
+        for shape in args.shapes.split(","):
+            n, vocab = map(int, shape.split("x"))
+            for line in topk_timing(n, vocab, args.reps):
+                print(line, flush=True)
+        return
     print(f"# ping-pong d_logits, {torch.cuda.get_device_name()}, H = {H}, bf16\n")
     print("| shape / slice width | kernel | bits equal to Triton | max abs diff |")
     print("|---|---|---|---:|")

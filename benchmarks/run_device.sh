@@ -71,8 +71,12 @@ head_gpu_tests() {
 if [[ "$mode" == probe || "$mode" == head || "$mode" == topk || "$mode" == probe-head ]]; then
   # probe: where the forward top-k's time goes (benchmarks/probe_topk.py); head: the head table
   # (bench_head.py, peers from .whl; BENCH_METHODS narrows it); probe-head: both; topk: the top-k
-  # configs side by side on both shapes. Each then runs the head's GPU tests.
+  # configs side by side on both shapes. Each then runs the head's GPU tests, or first with
+  # TESTS_FIRST=1 (new kernels: their results before their timings).
   carry_wheels
+  if [[ "${TESTS_FIRST:-0}" == 1 ]]; then
+    head_gpu_tests
+  fi
   if [[ "$mode" == probe || "$mode" == probe-head ]]; then
     echo "== top-k probe"
     timeout "${PROBE_TIMEOUT:-300}" "$py" benchmarks/probe_topk.py 2>&1 \
@@ -92,7 +96,9 @@ if [[ "$mode" == probe || "$mode" == head || "$mode" == topk || "$mode" == probe
         | tail -n 30
       ;;
   esac
-  head_gpu_tests
+  if [[ "${TESTS_FIRST:-0}" != 1 ]]; then
+    head_gpu_tests
+  fi
   exit 0
 fi
 

@@ -34,14 +34,18 @@ def test_bench_head_cpu_smoke():
     assert ours["fwd_gemms_queued"] > 0 and top["train_gemms_queued"] > 0
 
 
-def test_triton_topk_method_changes_only_the_kernel_choice():
+def test_topk_kernel_methods_change_only_the_kernel_choice():
     bench = _load_bench()
-    (method,) = bench.make_methods(["ours+top20/triton"], [])
-    cfg = method.cfg["fwd_topk"]
-    assert cfg == dict(bench.vocab_ops.kernel_config("fwd_topk"), pingpong=False)
-    seen = method._with_cfg(lambda: bench.vocab_ops.kernel_config("fwd_topk"))
-    assert seen["pingpong"] is False and seen["grouped"] == cfg["grouped"]
-    assert bench.vocab_ops.kernel_config("fwd_topk")["pingpong"] is True
+    before = bench.vocab_ops.kernel_config("fwd_topk")
+    for name, gluon in (("ours+top20/triton", False), ("ours+top20/gluon", True)):
+        (method,) = bench.make_methods([name], [])
+        # set_config also spells out its defaults for flags the config leaves unset: compare
+        # the config's own keys.
+        cfg = method.cfg["fwd_topk"]
+        assert {key: cfg[key] for key in before} == dict(before, pingpong=gluon)
+        seen = method._with_cfg(lambda: bench.vocab_ops.kernel_config("fwd_topk"))
+        assert {key: seen[key] for key in before} == dict(before, pingpong=gluon)
+        assert bench.vocab_ops.kernel_config("fwd_topk")["pingpong"] == before["pingpong"]
 
 
 def test_round_robin_runs_each_once_per_round_in_varying_order():

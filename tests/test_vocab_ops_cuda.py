@@ -33,7 +33,8 @@ def loading(request):
     backward persistent or one tile per program, flattened or not, descriptor or pointer
     stores, the Gluon forward and d_logits kernels or the Triton ones; "capped": grouped top-k
     with a fixed number of selection passes per tile or as many as needed, the forward tile loop
-    flattened or not)."""
+    flattened or not; "gluon-topk": the top-k forward through the Gluon kernel, off by
+    default)."""
     saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
     for key in saved:
         vocab_ops.set_kernel_config(key, tma=request.param != "pointers")
@@ -52,6 +53,8 @@ def loading(request):
             tma_store=not bwd.get("tma_store"),
             pingpong=not bwd.get("pingpong"),
         )
+    if request.param == "gluon-topk":
+        vocab_ops.set_kernel_config("fwd_topk", grouped=True, pingpong=True)
     if request.param == "capped":
         topk = saved["fwd_topk"]
         vocab_ops.set_kernel_config(
@@ -119,6 +122,8 @@ STATS_CASES = (
             (6, torch.bfloat16, "capped"),
         ]
     ]
+    + [(*s, torch.bfloat16, "gluon-topk") for s in SHAPES if s[3]]
+    + [(*SHAPES[3], torch.float16, "gluon-topk")]
     + [
         # k = 0: on Hopper the Gluon forward (tma), else or with "alt" the Triton one.
         (n, vocab, width, 0, dtype, mode)
