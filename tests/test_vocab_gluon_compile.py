@@ -1,0 +1,98 @@
+"""The Gluon kernels of the head compile for Hopper on a machine without a GPU.
+
+Gluon has no interpreter, so on CPU this is the one check their code gets: each kernel is traced
+and compiled down to sm_90a PTX through the installed Triton with the arguments its launcher
+builds, so an API or layout error, or a launcher out of step with its kernel, fails here rather
+than on the GPU machine. The GPU tests (test_vocab_ops_cuda.py) run them there.
+"""
+
+import pytest
+import torch
+
+from megatron.context_parallel import vocab_ops
+
+gluon = vocab_ops._vocab_gluon
+
+pytestmark = [
+    pytest.mark.skipif(gluon is None, reason="needs Triton's Gluon"),
+    # On a GPU machine the kernels compile for the real device in the GPU tests.
+    pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for CPU machines"),
+]
+
+# The shared memory of one H200 block (227 KiB).
+_SMEM = 227 * 1024
+
+
+@pytest.fixture
+def hopper_target():
+    """Makes Triton compile for an sm_90 device that is not there. A shim: Triton's CUDA driver
+    loads libcuda when built, and asks it for the device; this one skips that and answers sm_90
+    (the kernels are only compiled, never launched)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+    from triton.runtime import driver
+
+    class CompileOnly(CudaDriver):
+        def __init__(self):
+            pass
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    saved = driver._active
+    driver.set_active(CompileOnly())
+    yield
+    driver._active = saved
+
+
+def _check(compiled):
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    # The products run on the tensor cores as warpgroup MMAs, in warp-specialised partitions.
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+    assert compiled.metadata.shared <= _SMEM
+
+
+def _operands(n, vocab, width, dtype):
+    return torch.empty(n, width, dtype=dtype), torch.empty(vocab, width, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 20, 64])
+def test_topk_kernel_compiles(hopper_target, k, dtype):
+    cfg = gluon.TOPK_CONFIG
+    hidden, weight = _operands(300, 1000, 320, dtype)
+    part, topv, topi = gluon.topk_buffers(300, 1000, k, 2, "cpu")
+    target = torch.empty(300, dtype=torch.int64) if k == 20 else None
+    args = gluon._topk_args(hidden, weight, target, part, topv, topi, 2, 4, cfg)
+    meta = gluon._topk_meta(target, k, topv.shape[2], cfg)
+    _check(gluon._topk_pingpong_kernel.warmup(*args, grid=(4,), **meta))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stats_and_dlogits_kernels_compile(hopper_target, dtype):
+    cfg = gluon.STATS_CONFIG
+    hidden, weight = _operands(300, 1000, 320, dtype)
+    part = torch.empty(gluon.stats_tiles(1000), 3, 300)
+    target = torch.empty(300, dtype=torch.int64)
+    args = gluon._stats_args(hidden, weight, target, part, 4, cfg)
+    _check(
+        gluon._stats_pingpong_kernel.warmup(*args, grid=(4,), HAS_TARGET=True, **gluon._meta(cfg))
+    )
+
+    cfg = gluon.CONFIG
+    d = torch.empty(300, 1024, dtype=dtype)
+    vec = torch.empty(300)
+    ids = torch.empty(300, 3, dtype=torch.int32)
+    pos = torch.empty(300, 9, dtype=torch.int32)
+    args = gluon._dlogits_args(hidden, weight, vec, vec, ids, vec, pos, d, 0, 4, cfg)
+    _check(gluon._dlogits_pingpong_kernel.warmup(*args, grid=(4,), **gluon._meta(cfg)))
