@@ -3,7 +3,7 @@
 #
 # Usage (repo root):
 #   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|probe|
-#                             head|probe-head]
+#                             head|probe-head|gluon-topk]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head | probe-head) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head | probe-head | gluon-topk) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -99,6 +99,22 @@ if [[ "$mode" == probe || "$mode" == head || "$mode" == topk || "$mode" == probe
   if [[ "${TESTS_FIRST:-0}" != 1 ]]; then
     head_gpu_tests
   fi
+  exit 0
+fi
+
+if [[ "$mode" == gluon-topk ]]; then
+  # The Gluon top-k forward (opt-in until measured): the head's GPU tests first (its side-by-side
+  # with the Triton kernel and the fp64 "gluon-topk" cases among them), then both kernels alone
+  # and both calls (probe_pingpong.py --topk), then the head table with both top-k paths.
+  carry_wheels
+  head_gpu_tests
+  echo "== top-k probe, Gluon and Triton"
+  timeout "${PROBE_TIMEOUT:-200}" "$py" benchmarks/probe_pingpong.py --topk --reps "${PROBE_REPS:-7}" \
+    2>&1 | tee "$out/probe_gluon_topk.log" | grep -E "^\||Error" | tail -n 40
+  echo "== head benchmark"
+  timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --reps "${BENCH_REPS:-9}" \
+    --warmup 1 --methods "${BENCH_METHODS:-ours,ours+top20/triton,ours+top20/gluon,cublas-floor}" \
+    --out "$out" 2>&1 | tee "$out/head_bench.log" | tail -n 30
   exit 0
 fi
 
