@@ -40,6 +40,7 @@ reports failure instead of raising, and ``vocab_ops`` then keeps the Triton kern
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -715,8 +716,14 @@ def topk_splits(n: int, vocab: int, slots: int, cfg=None) -> int:
     "Session 8"), so: the fewest splits (at most 16) whose busiest program walks at most 5% more
     tiles than an even share, else the fewest with the least."""
     cfg = cfg or TOPK_CONFIG
-    num_r = triton.cdiv(n, cfg["BM"])
-    num_c = triton.cdiv(vocab, cfg["BN"])
+    return _topk_splits(n, vocab, slots, cfg["BM"], cfg["BN"])
+
+
+# Memoised: the search is Python a waiting GPU would see before the launch.
+@functools.lru_cache(maxsize=4096)
+def _topk_splits(n: int, vocab: int, slots: int, bm: int, bn: int) -> int:
+    num_r = triton.cdiv(n, bm)
+    num_c = triton.cdiv(vocab, bn)
     even = num_r * num_c / min(slots, num_r * num_c)
     best, best_cost = 1, None
     for want in range(1, min(num_c, 16) + 1):
