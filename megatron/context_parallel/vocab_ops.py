@@ -45,20 +45,20 @@ sum is ever added to.
 Paths:
     * CPU: torch, on inputs upcast to fp32 (bf16 and fp16 products are exact in fp32), exact and
       deterministic; the reference for the GPU path.
-    * CUDA: Triton kernels (``_vocab_triton``). The forward is one fused matmul whose epilogue folds
-      each logits tile into the row statistics; the logits never reach memory (on Hopper, with and
-      without a top-k, warp-specialised Gluon kernels, ``_vocab_gluon``, whose epilogue runs under
-      the other consumer's matmul). The backward
-      recomputes the logits of a vocabulary slice in a fused kernel that writes ``d_logits`` in the
-      input dtype (on Hopper a warp-specialised Gluon kernel, ``_vocab_gluon``, whose epilogue runs
-      under the tensor cores' next tile; same bits), then cuBLAS forms the slice's ``grad_weight``
-      rows (one GEMM, K = n) and adds its ``grad_hidden`` share into the fp32 accumulator.
-      Everything runs on the current stream without host syncs, so CUDA graphs capture it. With
-      ``k > 0`` the forward's top-k is taken over grouped candidates; the rows where that could miss
-      something (random logits, k = 20: 0.01-0.1% of rows) are selected again over every element,
-      with launches that do not depend on how many rows that is (``_reselect_into``: the host never
-      reads it). ``set_kernel_config("fwd_topk", grouped=False)`` selects over every element from
-      the start (exact, slower).
+    * CUDA: Triton kernels (``_vocab_triton``). The forward is one fused matmul whose epilogue
+      folds each logits tile into the row statistics; the logits never reach memory. The backward
+      recomputes the logits of a vocabulary slice in a fused kernel that writes ``d_logits`` in
+      the input dtype, then cuBLAS forms the slice's ``grad_weight`` rows (one GEMM, K = n) and
+      adds its ``grad_hidden`` share into the fp32 accumulator. On Hopper the forward without a
+      top-k and the ``d_logits`` kernel are warp-specialised Gluon kernels (``_vocab_gluon``),
+      whose epilogue runs under the other consumer warpgroup's matmul (``d_logits``: the same
+      bits); so is the forward with a top-k, opt-in (``set_kernel_config("fwd_topk",
+      pingpong=True)``) until measured. Everything runs on the current stream without host
+      syncs, so CUDA graphs capture it. With ``k > 0`` the forward's top-k is taken over grouped
+      candidates; the rows where that could miss something (random logits, k = 20: 0.01-0.1% of
+      rows) are selected again over every element, with launches that do not depend on how many
+      rows that is (``_reselect_into``: the host never reads it). ``set_kernel_config("fwd_topk",
+      grouped=False)`` selects over every element from the start (exact, slower).
     * CUDA fallback: ``k > 64`` in the forward (the kernel keeps the running top-k in
       registers) runs the torch path on the GPU, on cuBLAS logits with fp32 output, in chunks of
       rows; so does everything when Triton cannot be imported (one warning).
@@ -166,10 +166,10 @@ def set_kernel_config(name: str, **cfg) -> None:
     one program per slot walking the tiles), tma_store ("bwd": ``d_logits`` written through a
     tensor descriptor), pingpong ("fwd", "fwd_topk", "bwd": the warp-specialised Gluon kernels
     of ``_vocab_gluon`` where they run, else the Triton ones; "fwd_topk" needs grouped
-    candidates and a fixed number of passes); "fwd_topk" only: grouped (candidates
-    per column group, or every element), G (column groups per tile), passes (selection passes per
-    tile, 0: as many as needed), pass_cost (split model), reselect_ahead (see ``_reselect_into``);
-    "fp32": the tile entries that replace the others' for fp32 inputs.
+    candidates and a fixed number of passes); "fwd_topk" only: grouped (candidates per column
+    group, or every element), G (column groups per tile), passes (selection passes per tile, 0:
+    as many as needed), pass_cost (split model), reselect_ahead (see ``_reselect_into``); "fp32":
+    the tile entries that replace the others' for fp32 inputs.
     """
     if name not in _CONFIG:
         raise ValueError(f"unknown kernel config {name!r}; expected one of {sorted(_CONFIG)}")
@@ -477,7 +477,8 @@ def _gluon_topk(hidden, weight, cfg, grouped) -> bool:
 
 
 def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
-    """The Triton forward plus the tiny combine of the splits' partial results.
+    """The forward kernel (Triton, or Gluon where ``_pingpong`` says so) plus the tiny combine
+    of its partial results (per split, or per column tile for the Gluon k = 0 kernel).
 
     With grouped top-k candidates (see ``_vocab_triton._offer_grouped``) the merged top-k is
     exact unless a logit left out of the selection (a column group's third largest or lower in a
