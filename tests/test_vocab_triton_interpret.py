@@ -163,3 +163,119 @@ def test_kernels_in_triton_interpreter():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "interpreter ok" in proc.stdout
+
+
+# The host side of the Gluon top-k path (vocab_ops with the Gluon kernel chosen): Gluon has no
+# interpreter, so the kernel is replaced by what it writes by contract, built here from torch
+# logits: per unit (row block, run of column tiles) and consumer, the statistics and exact top-k
+# of the tiles that consumer takes (by the parity of the tile's place in its program's
+# sequence), and as the largest logit left out its (k+1)-th (+inf on rows r % 5 == 0, which
+# sends them to the re-selection). The merge, the re-selection and the split model run for real.
+_GLUON_HOST_SCRIPT = r"""
+import torch
+from _vocab_watch import reselected_rows
+from megatron.context_parallel import vocab_ops as vo
+
+gluon = vo._vocab_gluon
+for name in ("fwd", "fwd_topk", "bwd", "fp32"):
+    vo.set_kernel_config(name, BM=16, BN=16, BK=16, warps=4, stages=1, GROUP=2, tma=False)
+vo.set_kernel_config("fwd_topk", grouped=True, flatten=True, passes=2, pingpong=True)
+gluon.TOPK_CONFIG.update(BM=8, BN=16, GROUP=2)
+vo._gluon_topk = lambda *args: True
+seen = {"launches": 0, "idle": 0, "splits": set()}
+
+
+def kernel_by_contract(hidden, weight, target, k, part, topv, topi, splits, slots, passes=None):
+    cfg = gluon.TOPK_CONFIG
+    bm, bn, group = cfg["BM"], cfg["BN"], cfg["GROUP"]
+    n, vocab = hidden.shape[0], weight.shape[0]
+    assert part.shape == (2 * splits, 4, n) and topv.shape[:2] == (2 * splits, n)
+    assert topv.shape[2] >= max(8, k) and passes == vo.kernel_config("fwd_topk")["passes"]
+    logits = hidden.float() @ weight.float().T
+    num_r, num_c = -(-n // bm), -(-vocab // bn)
+    per = -(-num_c // splits)
+    num_s = -(-num_c // per)
+    units = num_r * num_s
+    part.fill_(float("nan"))
+    topv.fill_(float("nan"))
+    for p in range(min(units, slots)):
+        j0 = 0
+        for u in range(p, units, min(units, slots)):
+            first = u // (group * num_s) * group
+            size = min(num_r - first, group)
+            r, s = first + u % (group * num_s) % size, u % (group * num_s) // size
+            lo, hi = s * per, min(s * per + per, num_c)
+            rows = torch.arange(r * bm, min(r * bm + bm, n))
+            for cid in (0, 1):
+                cols = [
+                    col
+                    for c in range(lo, hi)
+                    if (j0 + c - lo) % 2 == cid
+                    for col in range(c * bn, min(c * bn + bn, vocab))
+                ]
+                seen["idle"] += not cols
+                sub = logits[rows][:, cols]
+                m = sub.amax(1) if cols else torch.full((len(rows),), float("-inf"))
+                total = (sub - m[:, None]).exp().sum(1) if cols else torch.zeros(len(rows))
+                pick = torch.zeros(len(rows))
+                if target is not None:
+                    for i, row in enumerate(rows.tolist()):
+                        if target[row].item() in cols:
+                            pick[i] = logits[row, target[row]]
+                order = sub.sort(dim=1, descending=True, stable=True)
+                vals = torch.full((len(rows), topv.shape[2]), float("-inf"))
+                ids = torch.full((len(rows), topv.shape[2]), -1, dtype=torch.int32)
+                w = min(k, len(cols))
+                vals[:, :w] = order.values[:, :w]
+                ids[:, :w] = torch.tensor(cols, dtype=torch.int32)[order.indices[:, :w]]
+                left = torch.full((len(rows),), float("-inf"))
+                if len(cols) > k:
+                    left = order.values[:, k]
+                left = torch.where(rows % 5 == 0, float("inf"), left)
+                slot = 2 * s + cid
+                part[slot, 0, rows], part[slot, 1, rows] = m, total
+                part[slot, 2, rows], part[slot, 3, rows] = pick, left
+                topv[slot, rows], topi[slot, rows] = vals, ids
+            j0 += hi - lo
+    seen["launches"] += 1
+    seen["splits"].add(splits)
+
+
+gluon.launch_topk_pingpong = kernel_by_contract
+gen = torch.Generator().manual_seed(1)
+# n, vocab, width, k, slots, with target; one-tile units (vocab <= 16) make consumers sit out.
+cases = [
+    (37, 101, 40, 5, 3, True),
+    (20, 16, 32, 16, 4, True),
+    (40, 9, 16, 3, 2, False),
+    (8, 200, 16, 20, 8, True),
+    (33, 64, 32, 1, 5, True),
+]
+for n, vocab, width, k, slots, with_target in cases:
+    h = torch.randn(n, width, generator=gen).half()
+    w = (torch.randn(vocab, width, generator=gen) * 3 / width**0.5).half()
+    target = torch.randint(-3, vocab + 3, (n,), generator=gen) if with_target else None
+    with reselected_rows(vo) as redone:
+        got = vo._stats_kernel(h, w, target, k, slots=slots)
+    ref = vo._stats_torch(h, w, target, k, 0)
+    for a, b in zip(ref[:4], got[:4]):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-4, (n, vocab, a, b)
+    assert torch.equal(ref[4], got[4]), (n, vocab, ref[4], got[4])
+    assert redone == [len(range(0, n, 5))], (n, vocab, redone)
+assert seen["launches"] == len(cases) and seen["idle"] > 0 and max(seen["splits"]) > 1, seen
+print("gluon host path ok")
+"""
+
+
+def test_gluon_topk_host_path_in_interpreter():
+    pytest.importorskip("triton.experimental.gluon")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{_ROOT}{os.pathsep}{_ROOT / 'tests'}")
+    proc = subprocess.run(
+        [sys.executable, "-c", _GLUON_HOST_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gluon host path ok" in proc.stdout

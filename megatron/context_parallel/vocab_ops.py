@@ -103,6 +103,10 @@ _BWD_SLICE_BYTES = 512 << 20
 # the every-element kernel's row-list launch (any further rows).
 _RESELECT_BYTES = 128 << 20
 _LISTED_BYTES = 64 << 20
+# The re-selection's floor sits this far (absolute, relative) under the forward's k-th value:
+# far above the few fp32 units in the last place by which two kernels' logits differ, and in
+# the sparse tail of a row's logits, so it lets few extra keys through.
+_FLOOR_MARGIN = (1e-3, 1e-4)
 
 # Tile configurations of the Triton kernels (H200 sweep in NOTES.md "Head kernels").
 # ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
@@ -541,7 +545,11 @@ def _reselect_into(hidden, weight, redo, values, ids, k, slots, cfg) -> torch.Te
         rows = hidden.index_select(0, first)
         _vocab_triton.logit_keys(rows, weight, keys, _keys_tile(cfg), slots, count)
         # The grouped selection's k-th value is a floor for the exact one: k logits reach it.
-        floor = values[:, k - 1]
+        # Lowered by a margin, as these logits are computed again, by another kernel than the
+        # forward's when that was the Gluon one: a last-place difference must not put the k-th
+        # logit under the floor (it would be lost: -inf and id -1 in its place).
+        kth = values[:, k - 1]
+        floor = kth - (_FLOOR_MARGIN[0] + _FLOOR_MARGIN[1] * kth.abs())
         _vocab_triton.topk_of_keys(keys, count, k, vocab, first, values, ids, floor)
     if ahead < n:
         more = (count - ahead).clamp_(min=0).to(torch.int64)
