@@ -156,13 +156,19 @@ print("interpreter ok")
 """
 
 
-def test_kernels_in_triton_interpreter():
+def _interpret(script: str) -> str:
+    """Runs ``script`` in a Python with TRITON_INTERPRET=1 and the tests' helpers importable;
+    returns its stdout (its stderr's tail on failure)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{_ROOT}{os.pathsep}{_ROOT / 'tests'}")
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "interpreter ok" in proc.stdout
+    return proc.stdout
+
+
+def test_kernels_in_triton_interpreter():
+    assert "interpreter ok" in _interpret(_SCRIPT)
 
 
 # The host side of the Gluon top-k path (vocab_ops with the Gluon kernel chosen): Gluon has no
@@ -269,13 +275,4 @@ print("gluon host path ok")
 
 def test_gluon_topk_host_path_in_interpreter():
     pytest.importorskip("triton.experimental.gluon")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{_ROOT}{os.pathsep}{_ROOT / 'tests'}")
-    proc = subprocess.run(
-        [sys.executable, "-c", _GLUON_HOST_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gluon host path ok" in proc.stdout
+    assert "gluon host path ok" in _interpret(_GLUON_HOST_SCRIPT)
