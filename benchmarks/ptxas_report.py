@@ -3,9 +3,9 @@
 Each kernel is compiled for sm_90a through the installed Triton with the arguments its launcher
 builds (``tests/_gluon_target.py`` stands in for the device), then assembled by the ptxas that
 ships with Triton (``-v``). Spills in a consumer partition cost the epilogue local-memory
-traffic; this is how the top-k kernel's 64 x 256 consumer tile was chosen (RESULTS.md
-"Session 12"). Use the Triton version of the GPU machine (3.6 there): spills differ between
-versions.
+traffic; this is how the top-k kernel came to keep its running top-k in shared memory
+(RESULTS.md "Session 12"). Use the Triton version of the GPU machine (3.6 there): spills
+differ between versions.
 
     PYTHONPATH=$PWD python3 benchmarks/ptxas_report.py [--k 1,5,20,32,64]
 """
@@ -93,8 +93,8 @@ def main(argv=None):
             rows.append((f"stats, {name}", assemble(stats(dtype, gluon.STATS_CONFIG))))
             rows.append((f"d_logits, {name}", assemble(dlogits(dtype, gluon.CONFIG))))
         for label, cfg in (
-            ("top-k 64 x 256 (configured)", gluon.TOPK_CONFIG),
-            ("top-k 128 x 128", dict(gluon.TOPK_CONFIG, BM=128, BN=128)),
+            ("top-k 128 x 128 (configured)", gluon.TOPK_CONFIG),
+            ("top-k 64 x 256", dict(gluon.TOPK_CONFIG, BM=64, BN=256, GROUP=16)),
         ):
             for k in map(int, args.k.split(",")):
                 rows.append((f"{label}, k = {k}, bfloat16", assemble(topk(k, torch.bfloat16, cfg))))

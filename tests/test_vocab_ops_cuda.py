@@ -547,10 +547,10 @@ def test_torch_compile_and_opcheck():
         (333, 2999, 136, 20, torch.bfloat16, True),  # ragged rows and columns, H % 64 != 0
         (64, 130, 64, 5, torch.bfloat16, True),  # targets past the shard's end, in its last tile
         (2000, 20000, 256, 20, torch.bfloat16, False),  # several tiles per consumer and unit
-        (12800, 200, 64, 20, torch.bfloat16, True),  # one-tile units: a consumer sits some out
+        (12800, 120, 64, 20, torch.bfloat16, True),  # one-tile units: a consumer sits some out
         (1000, 5003, 64, 1, torch.float16, True),
         (100, 40, 64, 64, torch.bfloat16, True),  # k past the shard: empty slots
-        (4100, 37984, 128, 20, torch.bfloat16, True),  # a TP-4 shard's width, two splits
+        (4100, 37984, 128, 20, torch.bfloat16, True),  # a TP-4 shard's width, four splits
     ],
 )
 def test_gluon_topk_against_the_triton_kernel(n, vocab, width, k, dtype, with_target, monkeypatch):
@@ -574,8 +574,9 @@ def test_gluon_topk_against_the_triton_kernel(n, vocab, width, k, dtype, with_ta
     # kernel's running sum over the split.
     for gluon, triton_ in ((g_max, t_max), (g_tgt, t_tgt), (g_sum, t_sum)):
         torch.testing.assert_close(gluon, triton_, rtol=1e-5, atol=1e-5)
-    # Both issue 64 x 256 wgmma products per warpgroup over the same K order: the same logits,
-    # so the same exact top-k (ties to the lower id; empty slots -inf with id -1).
+    # The logits agree to a few fp32 units in the last place (64x128 against 64x256 wgmma
+    # products), so the exact top-k agrees wherever neighbours are clearly apart (ties to the
+    # lower id; empty slots -inf with id -1).
     assert torch.equal(g_val.isinf(), t_val.isinf())
     torch.testing.assert_close(g_val, t_val, rtol=0, atol=1e-5)
     vals = t_val.cpu()

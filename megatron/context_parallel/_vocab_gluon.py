@@ -20,17 +20,16 @@ so the tiles in flight share operands in L2.
   number of selection passes per tile, as ``_vocab_triton``'s). Its work units are a row block
   and a contiguous run of column tiles, whose tiles the two consumers take in turns, each with
   its own running statistics and top-k, written per unit and consumer for
-  ``vocab_ops._combine_splits``. A consumer's tile is 64 x 256, as each warpgroup's half of the
-  Triton kernel's tile (128 x 128 holds twice the rows' slots per thread and spills).
+  ``vocab_ops._combine_splits``. The running top-k waits in shared memory while a tile's
+  products and statistics hold the registers.
 * ``_dlogits_pingpong_kernel``: the same ``d_logits`` as ``_vocab_triton._dlogits_kernel``
   (rounded once to the input dtype), stored through TMA from a per-consumer shared-memory tile.
 
-The statistics and d_logits kernels' logits agree with the Triton ones to a few fp32 units in
-the last place (equal bits on most shapes; they issue 64x128 wgmma products, the Triton kernels
-64x256, as the top-k kernel does). H200, bf16, H = 5,120 (RESULTS.md
-"Session 11", queued): the forward kernel alone 0.96-1.01 GEMMs (whole k = 0 call 0.98-1.04,
-the Triton one 0.97-1.07); d_logits over all slices 1.01-1.09 against the Triton kernel's
-1.07-1.13.
+The Gluon kernels' logits agree with the Triton ones to a few fp32 units in the last place
+(equal bits on most shapes; they issue 64x128 wgmma products, the Triton kernels 64x256).
+H200, bf16, H = 5,120 (RESULTS.md "Session 11", queued): the forward kernel alone 0.96-1.01
+GEMMs (whole k = 0 call 0.98-1.04, the Triton one 0.97-1.07); d_logits over all slices
+1.01-1.09 against the Triton kernel's 1.07-1.13; the top-k kernel not yet run.
 
 Written in Gluon (``triton.experimental.gluon``, Triton's explicit-layout dialect, whose warp
 specialisation works on Hopper where Triton 3.6's automatic one does not), against the Triton
@@ -379,6 +378,11 @@ def _slots_layout(KP):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KP, 16])
 
 
+# The running top-k's keys in shared memory: rows of KP int64, 16-byte vectors swizzled across
+# rows so the four threads of a row and the eight rows of a warp spread over the banks.
+_SLOTS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
+
+
 @gluon.jit
 def _like_rows(x, ref):
     """``x`` (``[BM]``) in the row layout of the 2-D tensor ``ref``: the same threads hold the
@@ -487,7 +491,7 @@ def _topk_consumer(
     ``2 * split + CID``): ``part`` fp32 ``[2 S, 4, n]`` (max, sum_exp, target logit, largest logit
     left out of the selection), ``topv`` / ``topi`` fp32 / int32 ``[2 S, n, KP]``."""
     h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn = ring
-    part_ptr, topv_ptr, topi_ptr, tgt_ptr = args
+    part_ptr, topv_ptr, topi_ptr, tgt_ptr, keep = args
     BM: gl.constexpr = h_desc.block_type.shape[0]
     BK: gl.constexpr = h_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -511,13 +515,15 @@ def _topk_consumer(
         bound = gl.full([BM], float("-inf"), gl.float32, row_l)
         drop = gl.full([BM], float("-inf"), gl.float32, row_l)
         # Empty slots below K hold distinct keys under every real one; slots past K hold keys
-        # over every real one, so they are never the row minimum. (Built per unit: kept across
-        # the loop it would hold as many registers as the top-k itself.)
+        # over every real one, so they are never the row minimum. The running top-k waits in
+        # shared memory (``keep``) while the next tile's products and statistics hold the
+        # registers; only its row minimum stays in them.
         slot = gl.zeros([BM, KP], gl.int64, slots) + gl.expand_dims(kcols, 0).to(gl.int64)
         neg_inf = gl.full([BM, KP], float("-inf"), gl.float32, slots)
         empty_k = _order_key(neg_inf, gl.zeros([BM, KP], gl.int32, slots)) - 0xFFFFFFFF + slot
-        top_k = gl.where(gl.expand_dims(kcols, 0) < K, empty_k, _KEY_MAX - slot)
-        thr_k = gl.min(top_k, axis=1)
+        first_k = gl.where(gl.expand_dims(kcols, 0) < K, empty_k, _KEY_MAX - slot)
+        thr_k = gl.min(first_k, axis=1)
+        keep.store(first_k)
         if HAS_TARGET:
             tgt = gl.load(tgt_ptr + rows_ld)
             tgt = gl.where((tgt >= 0) & (tgt < vocab), tgt, -1).to(gl.int32)
@@ -540,12 +546,16 @@ def _topk_consumer(
                 t_i += gl.sum(gl.where(hit, acc, 0.0), axis=1)
             cand_k, beyond = _group_top2_gl(acc, c * BN, G)
             bound = gl.maximum(bound, gl.convert_layout(beyond, row_l))
-            top_k, thr_k, drop = _offer_gl(cand_k, top_k, thr_k, drop, PASSES)
+            # Each thread reads back the slots it stored (one layout): no barrier needed.
+            cur_k = keep.load(slots)
+            cur_k, thr_k, drop = _offer_gl(cand_k, cur_k, thr_k, drop, PASSES)
+            keep.store(cur_k)
         out = part_ptr + (2 * split + CID).to(gl.int64) * 4 * n + rows_ld
         gl.store(out, m_i, mask=rmask)
         gl.store(out + n, s_i, mask=rmask)
         gl.store(out + 2 * n, t_i, mask=rmask)
         gl.store(out + 3 * n, gl.maximum(bound, drop), mask=rmask)
+        top_k = keep.load(slots)
         top_v = _key_value(top_k)
         top_i = _key_col(top_k)
         # Empty slots decode to -inf and a negative column.
@@ -584,17 +594,22 @@ def _topk_pingpong_kernel(
 ):
     a_bufs, b_bufs, ready, empty, turn = _ring(h_desc, w_desc, NUM_BUF)
     ring = (h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn)
-    args = (part_ptr, topv_ptr, topi_ptr, tgt_ptr)
+    # Each consumer's running top-k between tiles.
+    BM: gl.constexpr = h_desc.block_type.shape[0]
+    keep0 = gl.allocate_shared_memory(gl.int64, [BM, KP], _SLOTS_SMEM)
+    keep1 = gl.allocate_shared_memory(gl.int64, [BM, KP], _SLOTS_SMEM)
+    args0 = (part_ptr, topv_ptr, topi_ptr, tgt_ptr, keep0)
+    args1 = (part_ptr, topv_ptr, topi_ptr, tgt_ptr, keep1)
     # Written out: a tuple built with + here would lose its constexpr entries.
     gl.warp_specialize(
         [
             (
                 _topk_consumer,
-                (ring, args, n, vocab, per, num_progs, GROUP_R, HAS_TARGET, K, KP, G, PASSES, 0),
+                (ring, args0, n, vocab, per, num_progs, GROUP_R, HAS_TARGET, K, KP, G, PASSES, 0),
             ),
             (
                 _topk_consumer,
-                (ring, args, n, vocab, per, num_progs, GROUP_R, HAS_TARGET, K, KP, G, PASSES, 1),
+                (ring, args1, n, vocab, per, num_progs, GROUP_R, HAS_TARGET, K, KP, G, PASSES, 1),
             ),
             (
                 _units_load_partition,
@@ -700,12 +715,16 @@ def launch_stats_pingpong(hidden, weight, target, part, slots, cfg=None):
     )
 
 
-# The top-k forward: one consumer's tile is 64 x 256, as each warpgroup's half of the Triton
-# kernel's 128 x 256 tile: with 128 x 128 a consumer holds twice the rows' top-k slots and
-# candidates, and spills (ptxas, sm_90a, k = 20: 900 bytes; none at 64 x 256). G: column groups
-# per tile (8: one thread holds a group in the wgmma accumulator layout); passes: selection
-# passes per tile (vocab_ops passes its "fwd_topk" entry).
-TOPK_CONFIG = dict(CONFIG, BM=64, BN=256, GROUP=16, G=8, passes=3)
+# The top-k forward: the statistics kernel's 128 x 128 consumer tile and launch groups. Its
+# running top-k waits in shared memory between tiles: in registers beside the accumulator it
+# spilled 900 bytes (ptxas, sm_90a, k = 20); a 64 x 256 tile (the Triton kernel's per
+# warpgroup) fits them in registers but streams a quarter more operand bytes per product
+# (benchmarks/probe_pingpong.py --topk times both). G: column groups per tile (8: one thread
+# holds a group in the wgmma accumulator layout); passes: selection passes per tile (vocab_ops
+# passes its "fwd_topk" entry).
+TOPK_CONFIG = dict(STATS_CONFIG, G=8, passes=3)
+# Shared memory of one H200 block.
+_SMEM_BYTES = 227 * 1024
 
 
 def topk_splits(n: int, vocab: int, slots: int, cfg=None) -> int:
@@ -755,15 +774,18 @@ def _topk_args(hidden, weight, target, part, topv, topi, per, progs, cfg):
     return (h_desc, w_desc, part, topv, topi, tgt, n, vocab, per, progs)
 
 
+def _topk_stages(cfg, kp: int) -> int:
+    """Ring stages (at most the configured ones) that fit beside the two consumers' ``[BM, KP]``
+    int64 slots (KP = 64 at 128 x 128 leaves room for 3)."""
+    stage = (cfg["BM"] + cfg["BN"]) * cfg["BK"] * 2
+    room = _SMEM_BYTES - 2 * cfg["BM"] * kp * 8 - 1024
+    return max(2, min(cfg["stages"], room // stage))
+
+
 def _topk_meta(target, k, kp, cfg):
-    return dict(
-        HAS_TARGET=target is not None,
-        K=k,
-        KP=kp,
-        G=cfg["G"],
-        PASSES=cfg["passes"],
-        **_meta(cfg),
-    )
+    meta = _meta(cfg)
+    meta["NUM_BUF"] = _topk_stages(cfg, kp)
+    return dict(meta, HAS_TARGET=target is not None, K=k, KP=kp, G=cfg["G"], PASSES=cfg["passes"])
 
 
 def launch_topk_pingpong(
