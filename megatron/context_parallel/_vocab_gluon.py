@@ -626,8 +626,14 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 def _descriptor(t, block):
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype))
+
+
+# Memoised: working the layout out costs ~10 us of Python per descriptor, before every launch
+# (the backward makes three per vocabulary slice).
+@functools.lru_cache(maxsize=64)
+def _smem_layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
 
 
 def _operands(hidden, weight, cfg):
