@@ -556,7 +556,7 @@ def test_torch_compile_and_opcheck():
 def test_gluon_topk_against_the_triton_kernel(n, vocab, width, k, dtype, with_target, monkeypatch):
     from megatron.context_parallel import _vocab_gluon
 
-    assert _vocab_gluon.builds(torch.device("cuda"), dtype, "topk")
+    assert _vocab_gluon.builds(torch.device("cuda"), dtype, "topk", k)
     hidden, weight, gen = _inputs(n, vocab, width, dtype, n + vocab + k)
     target = None
     if with_target:

@@ -765,7 +765,7 @@ def _topk_splits(n: int, vocab: int, slots: int, bm: int, bn: int) -> int:
 def topk_buffers(n: int, vocab: int, k: int, splits: int, device):
     """The top-k forward's partial results for ``splits`` splits: fp32 ``[2 S, 4, n]`` and fp32 /
     int32 ``[2 S, n, KP]`` slots (two per split: one per consumer)."""
-    kp = max(8, 1 << (k - 1).bit_length())
+    kp = topk_slots(k)
     return (
         torch.empty(2 * splits, 4, n, dtype=torch.float32, device=device),
         torch.empty(2 * splits, n, kp, dtype=torch.float32, device=device),
@@ -817,21 +817,29 @@ def launch_topk_pingpong(
 _BUILDS = {}
 
 
-def builds(device: torch.device, dtype: torch.dtype, kernel: str) -> bool:
-    """Whether ``kernel`` ("dlogits", "stats" or "topk") can run on ``device`` for ``dtype``
-    inputs: a Hopper GPU (the kernels issue wgmma, which only sm_90 has), bf16 or fp16, and this
-    Triton's Gluon compiles it.
+def topk_slots(k: int) -> int:
+    """Running top-k slots per row of the top-k kernel for ``k``: a power of two, at least 8
+    (the slots' wgmma-accumulator layout needs 8 columns)."""
+    return max(8, 1 << (k - 1).bit_length())
 
-    Checked once per device, dtype and kernel by compiling (not launching: safe under CUDA-graph
-    capture) on placeholder tensors; a failure warns once and returns False."""
+
+def builds(device: torch.device, dtype: torch.dtype, kernel: str, k: int = 0) -> bool:
+    """Whether ``kernel`` ("dlogits", "stats" or "topk", the latter for top-k ``k``) can run on
+    ``device`` for ``dtype`` inputs: a Hopper GPU (the kernels issue wgmma, which only sm_90
+    has), bf16 or fp16, and this Triton's Gluon compiles it.
+
+    Checked once per device, dtype, kernel (and for "topk", slot count: registers and shared
+    memory grow with it) by compiling (not launching: safe under CUDA-graph capture) on
+    placeholder tensors; a failure warns once and returns False."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, dtype, kernel)
+    slots = topk_slots(k) if kernel == "topk" else 0
+    key = (index, dtype, kernel, slots)
     if key not in _BUILDS:
-        _BUILDS[key] = _try_build(index, dtype, kernel)
+        _BUILDS[key] = _try_build(index, dtype, kernel, slots)
     return _BUILDS[key]
 
 
-def _try_build(index: int, dtype: torch.dtype, kernel: str) -> bool:
+def _try_build(index: int, dtype: torch.dtype, kernel: str, slots: int = 0) -> bool:
     if dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(index)[0] != 9:
@@ -850,10 +858,10 @@ def _try_build(index: int, dtype: torch.dtype, kernel: str) -> bool:
             args = _dlogits_args(hidden, weight, vec, vec, ids, vec, pos, d, 0, 1, cfg)
             _dlogits_pingpong_kernel.warmup(*args, grid=(1,), **_meta(cfg))
         elif kernel == "topk":
-            part, topv, topi = topk_buffers(rows, cols, 1, 1, dev)
+            part, topv, topi = topk_buffers(rows, cols, slots, 1, dev)
             tgt = torch.empty(rows, dtype=torch.int64, device=dev)
             args = _topk_args(hidden, weight, tgt, part, topv, topi, 1, 1, cfg)
-            meta = _topk_meta(tgt, 1, topv.shape[2], cfg)
+            meta = _topk_meta(tgt, slots, topv.shape[2], cfg)
             _topk_pingpong_kernel.warmup(*args, grid=(1,), **meta)
         else:
             part = torch.empty(1, 3, rows, dtype=torch.float32, device=dev)

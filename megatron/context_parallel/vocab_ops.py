@@ -451,7 +451,7 @@ def _split_buffers(splits: int, parts: int, n: int, k: int, device):
     )
 
 
-def _pingpong(hidden, weight, cfg, kernel: str) -> bool:
+def _pingpong(hidden, weight, cfg, kernel: str, k: int = 0) -> bool:
     """Whether ``kernel`` ("stats": the forward without a top-k, "topk": with one, "dlogits": the
     backward's d_logits) runs as the warp-specialised Gluon kernel of ``_vocab_gluon``
     (configured, a Hopper GPU, bf16 / fp16 operands the copy engine can load, Gluon builds it)
@@ -464,19 +464,20 @@ def _pingpong(hidden, weight, cfg, kernel: str) -> bool:
         and _vocab_gluon is not None
         and hidden.is_cuda
         and _vocab_triton.tma_ok(hidden, weight)
-        and _vocab_gluon.builds(hidden.device, hidden.dtype, kernel)
+        and _vocab_gluon.builds(hidden.device, hidden.dtype, kernel, k)
     )
 
 
-def _gluon_topk(hidden, weight, cfg, grouped) -> bool:
-    """Whether the forward with a top-k runs as the warp-specialised Gluon kernel: only it has
-    the grouped selection with a fixed number of passes per tile, over its own column groups."""
+def _gluon_topk(hidden, weight, cfg, grouped, k) -> bool:
+    """Whether the forward with top-k ``k`` runs as the warp-specialised Gluon kernel: only it
+    has the grouped selection with a fixed number of passes per tile, over its own column
+    groups."""
     return (
         bool(grouped)
         and bool(cfg.get("passes"))
         and _vocab_gluon is not None
         and cfg.get("G") == _vocab_gluon.TOPK_CONFIG["G"]
-        and _pingpong(hidden, weight, cfg, "topk")
+        and _pingpong(hidden, weight, cfg, "topk", k)
     )
 
 
@@ -502,7 +503,7 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
         return _combine_splits(part, None, None, 0, vocab)[:5]
     if grouped is None:
         grouped = _grouped_topk(k)
-    if k and _gluon_topk(hidden, weight, cfg, grouped):
+    if k and _gluon_topk(hidden, weight, cfg, grouped, k):
         splits = _vocab_gluon.topk_splits(n, vocab, slots)
         part, top_v, top_i = _vocab_gluon.topk_buffers(n, vocab, k, splits, hidden.device)
         _vocab_gluon.launch_topk_pingpong(
