@@ -1,11 +1,11 @@
 """Registers, spills and shared memory of the Gluon head kernels for Hopper, without a GPU.
 
 Each kernel is compiled for sm_90a through the installed Triton with the arguments its launcher
-builds (``tests/_gluon_target.py`` stands in for the device), then assembled by the ptxas that
-ships with Triton (``-v``). Spills in a consumer partition cost the epilogue local-memory
-traffic; this is how the top-k kernel came to keep its running top-k in shared memory
-(RESULTS.md "Session 12"). Use the Triton version of the GPU machine (3.6 there): spills
-differ between versions.
+builds (``_vocab_gluon.compile_only``; ``tests/_gluon_target.py`` stands in for the device),
+then assembled by the ptxas that ships with Triton (``-v``). Spills in a consumer partition
+cost the epilogue local-memory traffic; this is how the top-k kernel came to keep its running
+top-k in shared memory (RESULTS.md "Session 12"). Use the Triton version of the GPU machine
+(3.6 there): spills differ between versions.
 
     PYTHONPATH=$PWD python3 benchmarks/ptxas_report.py [--k 1,5,20,32,64]
 """
@@ -29,8 +29,6 @@ from _gluon_target import hopper_target  # noqa: E402
 
 from megatron.context_parallel import _vocab_gluon as gluon  # noqa: E402
 
-N, V, H = 300, 1000, 5120
-
 
 def assemble(compiled) -> dict:
     """ptxas -v on the compiled PTX: registers, spill stores / loads (bytes), shared memory."""
@@ -53,35 +51,6 @@ def assemble(compiled) -> dict:
     )
 
 
-def topk(k, dtype, cfg):
-    hidden, weight = torch.empty(N, H, dtype=dtype), torch.empty(V, H, dtype=dtype)
-    part, topv, topi = gluon.topk_buffers(N, V, k, 2, "cpu")
-    target = torch.empty(N, dtype=torch.int64)
-    args = gluon._topk_args(hidden, weight, target, part, topv, topi, 2, 4, cfg)
-    meta = gluon._topk_meta(target, k, topv.shape[2], cfg)
-    return gluon._topk_pingpong_kernel.warmup(*args, grid=(4,), **meta)
-
-
-def stats(dtype, cfg):
-    hidden, weight = torch.empty(N, H, dtype=dtype), torch.empty(V, H, dtype=dtype)
-    part = torch.empty(gluon.stats_tiles(V, cfg), 3, N)
-    target = torch.empty(N, dtype=torch.int64)
-    args = gluon._stats_args(hidden, weight, target, part, 4, cfg)
-    return gluon._stats_pingpong_kernel.warmup(
-        *args, grid=(4,), HAS_TARGET=True, **gluon._meta(cfg)
-    )
-
-
-def dlogits(dtype, cfg):
-    hidden, weight = torch.empty(N, H, dtype=dtype), torch.empty(V, H, dtype=dtype)
-    d = torch.empty(N, 1024, dtype=dtype)
-    vec = torch.empty(N)
-    ids = torch.empty(N, 3, dtype=torch.int32)
-    pos = torch.empty(N, 9, dtype=torch.int32)
-    args = gluon._dlogits_args(hidden, weight, vec, vec, ids, vec, pos, d, 0, 4, cfg)
-    return gluon._dlogits_pingpong_kernel.warmup(*args, grid=(4,), **gluon._meta(cfg))
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--k", default="1,5,20,32,64", help="top-k sizes to compile")
@@ -90,15 +59,17 @@ def main(argv=None):
     with hopper_target():
         for dtype in (torch.bfloat16, torch.float16):
             name = str(dtype).split(".")[-1]
-            rows.append((f"stats, {name}", assemble(stats(dtype, gluon.STATS_CONFIG))))
-            rows.append((f"d_logits, {name}", assemble(dlogits(dtype, gluon.CONFIG))))
+            for kernel, label in (("stats", "stats"), ("dlogits", "d_logits")):
+                compiled = gluon.compile_only(kernel, dtype, "cpu")
+                rows.append((f"{label}, {name}", assemble(compiled)))
         for label, cfg in (
             ("top-k 128 x 128 (configured)", gluon.TOPK_CONFIG),
             ("top-k 64 x 256", dict(gluon.TOPK_CONFIG, BM=64, BN=256, GROUP=16)),
         ):
             for k in map(int, args.k.split(",")):
-                rows.append((f"{label}, k = {k}, bfloat16", assemble(topk(k, torch.bfloat16, cfg))))
-    print(f"# Gluon kernels for sm_90a, Triton {triton.__version__}, H = {H}\n")
+                compiled = gluon.compile_only("topk", torch.bfloat16, "cpu", k, cfg=cfg)
+                rows.append((f"{label}, k = {k}, bfloat16", assemble(compiled)))
+    print(f"# Gluon kernels for sm_90a, Triton {triton.__version__}\n")
     print("| kernel | registers (cap) | spill stores / loads (bytes) | shared memory (KiB) |")
     print("|---|---:|---:|---:|")
     for label, r in rows:

@@ -2,8 +2,9 @@
 
 Gluon has no interpreter, so on CPU this is the one check their code gets: each kernel is traced
 and compiled down to sm_90a PTX through the installed Triton with the arguments its launcher
-builds, so an API or layout error, or a launcher out of step with its kernel, fails here rather
-than on the GPU machine. The GPU tests (test_vocab_ops_cuda.py) run them there.
+builds (``_vocab_gluon.compile_only``, which ``builds`` runs on the GPU), so an API or layout
+error, or a launcher out of step with its kernel, fails here rather than on the GPU machine.
+The GPU tests (test_vocab_ops_cuda.py) run them there.
 """
 
 import _gluon_target
@@ -38,40 +39,16 @@ def _check(compiled):
     assert compiled.metadata.shared <= _SMEM
 
 
-def _operands(n, vocab, width, dtype):
-    return torch.empty(n, width, dtype=dtype), torch.empty(vocab, width, dtype=dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [1, 20, 64])
 def test_topk_kernel_compiles(hopper_target, k, dtype):
-    cfg = gluon.TOPK_CONFIG
-    hidden, weight = _operands(300, 1000, 320, dtype)
-    part, topv, topi = gluon.topk_buffers(300, 1000, k, 2, "cpu")
-    target = torch.empty(300, dtype=torch.int64) if k == 20 else None
-    args = gluon._topk_args(hidden, weight, target, part, topv, topi, 2, 4, cfg)
-    meta = gluon._topk_meta(target, k, topv.shape[2], cfg)
-    _check(gluon._topk_pingpong_kernel.warmup(*args, grid=(4,), **meta))
+    _check(gluon.compile_only("topk", dtype, "cpu", k, with_target=k == 20))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stats_and_dlogits_kernels_compile(hopper_target, dtype):
-    cfg = gluon.STATS_CONFIG
-    hidden, weight = _operands(300, 1000, 320, dtype)
-    part = torch.empty(gluon.stats_tiles(1000), 3, 300)
-    target = torch.empty(300, dtype=torch.int64)
-    args = gluon._stats_args(hidden, weight, target, part, 4, cfg)
-    _check(
-        gluon._stats_pingpong_kernel.warmup(*args, grid=(4,), HAS_TARGET=True, **gluon._meta(cfg))
-    )
-
-    cfg = gluon.CONFIG
-    d = torch.empty(300, 1024, dtype=dtype)
-    vec = torch.empty(300)
-    ids = torch.empty(300, 3, dtype=torch.int32)
-    pos = torch.empty(300, 9, dtype=torch.int32)
-    args = gluon._dlogits_args(hidden, weight, vec, vec, ids, vec, pos, d, 0, 4, cfg)
-    _check(gluon._dlogits_pingpong_kernel.warmup(*args, grid=(4,), **gluon._meta(cfg)))
+    _check(gluon.compile_only("stats", dtype, "cpu"))
+    _check(gluon.compile_only("dlogits", dtype, "cpu"))
 
 
 def test_ptxas_report_lists_every_kernel(capsys):

@@ -844,33 +844,10 @@ def _try_build(index: int, dtype: torch.dtype, kernel: str, slots: int = 0) -> b
         return False
     if torch.cuda.get_device_capability(index)[0] != 9:
         return False
-    dev = torch.device("cuda", index)
-    cfg = {"dlogits": CONFIG, "stats": STATS_CONFIG, "topk": TOPK_CONFIG}[kernel]
-    rows, cols = cfg["BM"], cfg["BN"]
-    hidden = torch.empty(rows, cfg["BK"], dtype=dtype, device=dev)
-    weight = torch.empty(cols, cfg["BK"], dtype=dtype, device=dev)
-    vec = torch.empty(rows, dtype=torch.float32, device=dev)
     try:
-        if kernel == "dlogits":
-            d = torch.empty(rows, cols, dtype=dtype, device=dev)
-            ids = torch.empty(rows, 1, dtype=torch.int32, device=dev)
-            pos = torch.empty(rows, 2, dtype=torch.int32, device=dev)
-            args = _dlogits_args(hidden, weight, vec, vec, ids, vec, pos, d, 0, 1, cfg)
-            _dlogits_pingpong_kernel.warmup(*args, grid=(1,), **_meta(cfg))
-        elif kernel == "topk":
-            part, topv, topi = topk_buffers(rows, cols, slots, 1, dev)
-            tgt = torch.empty(rows, dtype=torch.int64, device=dev)
-            args = _topk_args(hidden, weight, tgt, part, topv, topi, 1, 1, cfg)
-            meta = _topk_meta(tgt, slots, topv.shape[2], cfg)
-            _topk_pingpong_kernel.warmup(*args, grid=(1,), **meta)
-        else:
-            part = torch.empty(1, 3, rows, dtype=torch.float32, device=dev)
-            tgt = torch.empty(rows, dtype=torch.int64, device=dev)
-            for target in (tgt, None):
-                args = _stats_args(hidden, weight, target, part, 1, cfg)
-                _stats_pingpong_kernel.warmup(
-                    *args, grid=(1,), HAS_TARGET=target is not None, **_meta(cfg)
-                )
+        for with_target in (True, False) if kernel == "stats" else (True,):
+            # k = the slot count: the largest k that runs with these slots.
+            compile_only(kernel, dtype, torch.device("cuda", index), slots, with_target)
     except Exception as exc:  # noqa: BLE001 - any failure of an experimental compiler
         warnings.warn(
             f"megatron_cp: the Gluon {kernel} kernel does not build with Triton "
@@ -879,3 +856,33 @@ def _try_build(index: int, dtype: torch.dtype, kernel: str, slots: int = 0) -> b
         )
         return False
     return True
+
+
+def compile_only(kernel: str, dtype, device, k: int = 8, with_target=True, cfg=None):
+    """Compiles ``kernel`` ("dlogits", "stats" or "topk" for top-k ``k``) for ``dtype`` operands
+    with the arguments its launcher builds, on one-tile placeholder tensors on ``device``,
+    without launching it; returns Triton's compiled kernel. ``cfg``: the kernel's configuration
+    (default: the configured one). Sizes only bound loops and masks (the kernels do not
+    specialise on them), so this is the kernel every launch of that variant runs."""
+    cfg = cfg or {"dlogits": CONFIG, "stats": STATS_CONFIG, "topk": TOPK_CONFIG}[kernel]
+    rows, cols = cfg["BM"], cfg["BN"]
+    hidden = torch.empty(rows, cfg["BK"], dtype=dtype, device=device)
+    weight = torch.empty(cols, cfg["BK"], dtype=dtype, device=device)
+    target = torch.empty(rows, dtype=torch.int64, device=device) if with_target else None
+    if kernel == "dlogits":
+        vec = torch.empty(rows, dtype=torch.float32, device=device)
+        d = torch.empty(rows, cols, dtype=dtype, device=device)
+        ids = torch.empty(rows, 1, dtype=torch.int32, device=device)
+        pos = torch.empty(rows, 2, dtype=torch.int32, device=device)
+        args = _dlogits_args(hidden, weight, vec, vec, ids, vec, pos, d, 0, 1, cfg)
+        return _dlogits_pingpong_kernel.warmup(*args, grid=(1,), **_meta(cfg))
+    if kernel == "topk":
+        part, topv, topi = topk_buffers(rows, cols, k, 1, device)
+        args = _topk_args(hidden, weight, target, part, topv, topi, 1, 1, cfg)
+        meta = _topk_meta(target, k, topv.shape[2], cfg)
+        return _topk_pingpong_kernel.warmup(*args, grid=(1,), **meta)
+    part = torch.empty(1, 3, rows, dtype=torch.float32, device=device)
+    args = _stats_args(hidden, weight, target, part, 1, cfg)
+    return _stats_pingpong_kernel.warmup(
+        *args, grid=(1,), HAS_TARGET=target is not None, **_meta(cfg)
+    )
