@@ -89,15 +89,20 @@ def _tile_of(t, num_r, num_c, GROUP_R: gl.constexpr):
 
 
 @gluon.jit
+def _tile_counts(h_desc, w_desc, n, width):
+    """K blocks per tile, row blocks over ``n`` rows and column tiles over ``width`` columns."""
+    kt = gl.cdiv(h_desc.shape[1], h_desc.block_type.shape[1])
+    num_r = gl.cdiv(n, h_desc.block_type.shape[0])
+    return kt, num_r, gl.cdiv(width, w_desc.block_type.shape[0])
+
+
+@gluon.jit
 def _load_partition(
     h_desc, w_desc, a_bufs, b_bufs, ready, empty, n, width, v0, num_progs, GROUP_R: gl.constexpr
 ):
     BM: gl.constexpr = h_desc.block_type.shape[0]
-    BK: gl.constexpr = h_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    kt = gl.cdiv(h_desc.shape[1], BK)
-    num_r = gl.cdiv(n, BM)
-    num_c = gl.cdiv(width, BN)
+    kt, num_r, num_c = _tile_counts(h_desc, w_desc, n, width)
     seq = 0
     for t in range(gl.program_id(0), num_r * num_c, num_progs):
         r, c = _tile_of(t, num_r, num_c, GROUP_R)
@@ -187,12 +192,9 @@ def _consumer(
     column indices, columns counted from the slice's start)."""
     h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn = ring
     BM: gl.constexpr = h_desc.block_type.shape[0]
-    BK: gl.constexpr = h_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     layout: gl.constexpr = _acc_layout(BN)
-    kt = gl.cdiv(h_desc.shape[1], BK)
-    num_r = gl.cdiv(n, BM)
-    num_c = gl.cdiv(width, BN)
+    kt, num_r, num_c = _tile_counts(h_desc, w_desc, n, width)
     j = CID
     for t in range(gl.program_id(0) + CID * num_progs, num_r * num_c, 2 * num_progs):
         r, c = _tile_of(t, num_r, num_c, GROUP_R)
@@ -456,11 +458,8 @@ def _units_load_partition(
     h_desc, w_desc, a_bufs, b_bufs, ready, empty, n, vocab, per, num_progs, GROUP_R: gl.constexpr
 ):
     BM: gl.constexpr = h_desc.block_type.shape[0]
-    BK: gl.constexpr = h_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    kt = gl.cdiv(h_desc.shape[1], BK)
-    num_r = gl.cdiv(n, BM)
-    num_c = gl.cdiv(vocab, BN)
+    kt, num_r, num_c = _tile_counts(h_desc, w_desc, n, vocab)
     units = num_r * gl.cdiv(num_c, per)
     seq = 0
     for u in range(gl.program_id(0), units, num_progs):
@@ -493,14 +492,11 @@ def _topk_consumer(
     h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn = ring
     part_ptr, topv_ptr, topi_ptr, tgt_ptr, keep = args
     BM: gl.constexpr = h_desc.block_type.shape[0]
-    BK: gl.constexpr = h_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     layout: gl.constexpr = _acc_layout(BN)
     slots: gl.constexpr = _slots_layout(KP)
     row_l: gl.constexpr = gl.SliceLayout(1, layout)
-    kt = gl.cdiv(h_desc.shape[1], BK)
-    num_r = gl.cdiv(n, BM)
-    num_c = gl.cdiv(vocab, BN)
+    kt, num_r, num_c = _tile_counts(h_desc, w_desc, n, vocab)
     units = num_r * gl.cdiv(num_c, per)
     kcols = gl.arange(0, KP, layout=gl.SliceLayout(0, slots))
     j0 = 0
