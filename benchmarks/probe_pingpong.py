@@ -192,12 +192,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.topk:
         print(f"# ping-pong top-20 forward, {torch.cuda.get_device_name()}, H = {H}, bf16\n")
-        print("| shape | kernel | GEMMs (queued) |")
-        print("|---|---|---:|")
-        for shape in args.shapes.split(","):
-            n, vocab = map(int, shape.split("x"))
-            for line in topk_timing(n, vocab, args.reps):
-                print(line, flush=True)
+        _print_timings("| shape | kernel | GEMMs (queued) |", topk_timing, args)
         return
     print(f"# ping-pong d_logits, {torch.cuda.get_device_name()}, H = {H}, bf16\n")
     print("| shape / slice width | kernel | bits equal to Triton | max abs diff |")
@@ -210,11 +205,17 @@ def main(argv=None):
     ]:
         for line in check(n, vocab, width):
             print(line, flush=True)
-    print("\n| shape | kernel (d_logits: all slices) | GEMMs (queued) |")
+    print()
+    _print_timings("| shape | kernel (d_logits: all slices) | GEMMs (queued) |", timing, args)
+
+
+def _print_timings(header, timing_fn, args):
+    """A table of ``timing_fn(n, vocab, reps)``'s rows for each of ``--shapes``."""
+    print(header)
     print("|---|---|---:|")
     for shape in args.shapes.split(","):
         n, vocab = map(int, shape.split("x"))
-        for line in timing(n, vocab, args.reps):
+        for line in timing_fn(n, vocab, args.reps):
             print(line, flush=True)
 
 
