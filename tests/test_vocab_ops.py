@@ -445,13 +445,22 @@ def test_split_model_follows_config_changes(monkeypatch):
 
 
 @pytest.mark.skipif(vocab_ops._vocab_gluon is None, reason="needs Triton's Gluon")
-def test_gluon_topk_splits_balance_the_programs():
-    # The busiest persistent program walks at most 5% over an even share where 16 splits allow
-    # it, with the fewest splits that do (each adds 2 k merge keys per row).
+def test_gluon_topk_splits_keep_rows_in_l2_and_balance_the_programs():
+    # Enough splits that the row blocks in flight fit the L2 budget; from there the fewest whose
+    # busiest persistent program walks at most 5% over an even share (each split adds merge keys
+    # per row).
     from megatron.context_parallel import _vocab_gluon
 
     cfg = _vocab_gluon.TOPK_CONFIG
-    for n, vocab, slots in [(8192, 37984, 132), (20436, 151936, 132), (4100, 37984, 132)]:
+    row_bytes = 5120 * 2
+    block = cfg["BM"] * row_bytes
+    for n, vocab, slots in [
+        (8192, 151936, 132),
+        (20436, 151936, 132),
+        (8192, 37984, 132),
+        (20436, 37984, 132),
+        (4100, 37984, 132),
+    ]:
         num_r, num_c = -(-n // cfg["BM"]), -(-vocab // cfg["BN"])
         even = num_r * num_c / slots
 
@@ -459,9 +468,16 @@ def test_gluon_topk_splits_balance_the_programs():
             per = -(-num_c // splits)
             return -(-(num_r * -(-num_c // per)) // slots) * per
 
-        splits = _vocab_gluon.topk_splits(n, vocab, slots)
+        def fits(splits, num_r=num_r, slots=slots):
+            return min(num_r, slots / splits) * block <= _vocab_gluon._L2_ROWS_BYTES
+
+        least = next(s for s in range(1, 17) if fits(s))
+        splits = _vocab_gluon.topk_splits(n, vocab, slots, row_bytes)
+        assert splits >= least
         assert busiest(splits) <= 1.05 * even
-        assert all(busiest(s) > 1.05 * even for s in range(1, splits))
-    # A few rows: more splits to fill the device, at most 16.
-    assert _vocab_gluon.topk_splits(64, 151936, 132) == 16
-    assert _vocab_gluon.topk_splits(1, 10, 132) == 1
+        assert all(busiest(s) > 1.05 * even for s in range(least, splits))
+    # The measured shapes: 8 splits held 10.8 MB of rows at once (RESULTS.md "Session 13").
+    assert _vocab_gluon.topk_splits(8192, 151936, 132, row_bytes) == 8
+    # A few rows: they stay in L2; more splits to fill the device, at most 16.
+    assert _vocab_gluon.topk_splits(64, 151936, 132, row_bytes) == 16
+    assert _vocab_gluon.topk_splits(1, 10, 132, row_bytes) == 1

@@ -33,8 +33,8 @@ def loading(request):
     backward persistent or one tile per program, flattened or not, descriptor or pointer
     stores, the Gluon forward and d_logits kernels or the Triton ones; "capped": grouped top-k
     with a fixed number of selection passes per tile or as many as needed, the forward tile loop
-    flattened or not; "gluon-topk": the top-k forward through the Gluon kernel, off by
-    default)."""
+    flattened or not; "triton-topk": the top-k forward through the Triton kernel, which the
+    Gluon one replaces by default on Hopper)."""
     saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
     for key in saved:
         vocab_ops.set_kernel_config(key, tma=request.param != "pointers")
@@ -53,8 +53,8 @@ def loading(request):
             tma_store=not bwd.get("tma_store"),
             pingpong=not bwd.get("pingpong"),
         )
-    if request.param == "gluon-topk":
-        vocab_ops.set_kernel_config("fwd_topk", grouped=True, pingpong=True)
+    if request.param == "triton-topk":
+        vocab_ops.set_kernel_config("fwd_topk", grouped=True, pingpong=False)
     if request.param == "capped":
         topk = saved["fwd_topk"]
         vocab_ops.set_kernel_config(
@@ -122,8 +122,8 @@ STATS_CASES = (
             (6, torch.bfloat16, "capped"),
         ]
     ]
-    + [(*s, torch.bfloat16, "gluon-topk") for s in SHAPES if s[3]]
-    + [(*SHAPES[3], torch.float16, "gluon-topk")]
+    + [(*s, torch.bfloat16, "triton-topk") for s in SHAPES if s[3]]
+    + [(*SHAPES[3], torch.float16, "triton-topk")]
     + [
         # k = 0: on Hopper the Gluon forward (tma), else or with "alt" the Triton one.
         (n, vocab, width, 0, dtype, mode)
@@ -549,7 +549,7 @@ def test_torch_compile_and_opcheck():
         (2000, 20000, 256, 20, torch.bfloat16, False),  # several tiles per consumer and unit
         (12800, 120, 64, 20, torch.bfloat16, True),  # one-tile units: a consumer sits some out
         (1000, 5003, 64, 1, torch.float16, True),
-        (100, 40, 64, 64, torch.bfloat16, True),  # k past the shard: empty slots
+        (100, 40, 64, 40, torch.bfloat16, True),  # k = the shard, 64 slots: one consumer idle
         (4100, 37984, 128, 20, torch.bfloat16, True),  # a TP-4 shard's width, four splits
     ],
 )

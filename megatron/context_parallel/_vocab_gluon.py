@@ -717,37 +717,45 @@ def launch_stats_pingpong(hidden, weight, target, part, slots, cfg=None):
     )
 
 
-# The top-k forward: the statistics kernel's 128 x 128 consumer tile and launch groups. Its
-# running top-k waits in shared memory between tiles: in registers beside the accumulator it
-# spilled 900 bytes (ptxas, sm_90a, k = 20); a 64 x 256 tile (the Triton kernel's per
-# warpgroup) fits them in registers but streams a quarter more operand bytes per product
-# (benchmarks/probe_pingpong.py --topk times both). G: column groups per tile (8: one thread
-# holds a group in the wgmma accumulator layout); passes: selection passes per tile (vocab_ops
-# passes its "fwd_topk" entry).
-TOPK_CONFIG = dict(STATS_CONFIG, G=8, passes=3)
+# The top-k forward: one consumer warpgroup's tile is 64 x 256 (as a warpgroup's share of the
+# Triton kernel's tile), its running top-k waiting in shared memory between tiles. H200, k = 20,
+# kernel alone, 8 splits: 1.08-1.15 GEMMs against 1.12-1.19 with the statistics kernel's 128 x
+# 128 tile (benchmarks/probe_pingpong.py --topk-splits, RESULTS.md "Session 13"). G: column
+# groups per tile (8: one thread holds a group in the wgmma accumulator layout); passes:
+# selection passes per tile (vocab_ops passes its "fwd_topk" entry); GROUP: row blocks per
+# launch group of the units.
+TOPK_CONFIG = dict(CONFIG, BM=64, BN=256, GROUP=16, G=8, passes=3)
+# Hidden-row bytes the top-k forward's programs may hold at once. Each program walks one row
+# block across a run of column tiles and reads that block again for every tile, so the blocks in
+# flight (programs / splits) must stay in L2 (H200: 50 MB, also holding the weight tiles the
+# splits stream and the rings' prefetch). Measured at H = 5,120 (kernel alone, GEMMs): 8 splits,
+# 10.8 MB of rows in flight, 1.08-1.15; 1-2 splits, 43-84 MB, 1.07-1.30 (RESULTS.md "Session 13").
+_L2_ROWS_BYTES = 11 * 2**20
 # Shared memory of one H200 block.
 _SMEM_BYTES = 227 * 1024
 
 
-def topk_splits(n: int, vocab: int, slots: int, cfg=None) -> int:
-    """Column splits per row block for the top-k forward. Units of one row block and ``per``
-    tiles go to ``min(units, slots)`` persistent programs; the busiest walks ``ceil(units /
-    slots) * per`` tiles. Every split adds ``2 k`` keys per row to the merge (with the Triton
-    forward, 30 splits ran 0.04-0.06 GEMMs slower than 2 at 8,192 x 37,984, H200, RESULTS.md
-    "Session 8"), so: the fewest splits (at most 16) whose busiest program walks at most 5% more
-    tiles than an even share, else the fewest with the least."""
+def topk_splits(n: int, vocab: int, slots: int, row_bytes: int, cfg=None) -> int:
+    """Column splits per row block for the top-k forward over ``n`` hidden rows of ``row_bytes``
+    bytes each. Units of one row block and ``per`` tiles go to ``min(units, slots)`` persistent
+    programs; the busiest walks ``ceil(units / slots) * per`` tiles. At least enough splits that
+    the row blocks in flight (``slots / splits``) fit ``_L2_ROWS_BYTES``; then, as every split
+    adds ``2 KP`` keys per row to the merge, the fewest (at most 16) whose busiest program walks
+    at most 5% more tiles than an even share, else the fewest with the least."""
     cfg = cfg or TOPK_CONFIG
-    return _topk_splits(n, vocab, slots, cfg["BM"], cfg["BN"])
+    return _topk_splits(n, vocab, slots, cfg["BM"], cfg["BN"], row_bytes)
 
 
 # Memoised: the search is Python a waiting GPU would see before the launch.
 @functools.lru_cache(maxsize=4096)
-def _topk_splits(n: int, vocab: int, slots: int, bm: int, bn: int) -> int:
+def _topk_splits(n: int, vocab: int, slots: int, bm: int, bn: int, row_bytes: int) -> int:
     num_r = triton.cdiv(n, bm)
     num_c = triton.cdiv(vocab, bn)
+    held = max(1, _L2_ROWS_BYTES // (bm * row_bytes))
+    least = 1 if num_r <= held else min(num_c, 16, triton.cdiv(slots, held))
     even = num_r * num_c / min(slots, num_r * num_c)
-    best, best_cost = 1, None
-    for want in range(1, min(num_c, 16) + 1):
+    best, best_cost = least, None
+    for want in range(least, min(num_c, 16) + 1):
         per = triton.cdiv(num_c, want)
         splits = triton.cdiv(num_c, per)
         cost = triton.cdiv(num_r * splits, slots) * per
@@ -778,7 +786,7 @@ def _topk_args(hidden, weight, target, part, topv, topi, per, progs, cfg):
 
 def _topk_stages(cfg, kp: int) -> int:
     """Ring stages (at most the configured ones) that fit beside the two consumers' ``[BM, KP]``
-    int64 slots (KP = 64 at 128 x 128 leaves room for 3)."""
+    int64 slots (at 64 x 256: 4 up to KP = 64)."""
     stage = (cfg["BM"] + cfg["BN"]) * cfg["BK"] * 2
     room = _SMEM_BYTES - 2 * cfg["BM"] * kp * 8 - 1024
     return max(2, min(cfg["stages"], room // stage))

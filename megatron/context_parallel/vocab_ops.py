@@ -52,8 +52,8 @@ Paths:
       adds its ``grad_hidden`` share into the fp32 accumulator. On Hopper the forward without a
       top-k and the ``d_logits`` kernel are warp-specialised Gluon kernels (``_vocab_gluon``),
       whose epilogue runs under the other consumer warpgroup's matmul (``d_logits``: the same
-      bits); so is the forward with a top-k, opt-in (``set_kernel_config("fwd_topk",
-      pingpong=True)``) until measured. Everything runs on the current stream without host
+      bits); so is the forward with a top-k (``set_kernel_config("fwd_topk", pingpong=False)``
+      keeps the Triton one). Everything runs on the current stream without host
       syncs, so CUDA graphs capture it. With ``k > 0`` the forward's top-k is taken over grouped
       candidates; the rows where that could miss something (random logits, k = 20: 0.01-0.1% of
       rows) are selected again over every element, with launches that do not depend on how many
@@ -134,9 +134,9 @@ _CONFIG = {
         passes=3,
         pass_cost=0.01,
         reselect_ahead=128,
-        # The Gluon top-k kernel: off until measured and tested on a Hopper GPU (written and
-        # compiled for sm_90a without one; NOTES.md).
-        pingpong=False,
+        # The Gluon top-k kernel (its own 64 x 256 tile, G, passes); H200: RESULTS.md
+        # "Session 13".
+        pingpong=True,
     ),
     "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True, pingpong=True),
     # fp32 inputs: replaces the tile entries of the three above. Their products run on the CUDA
@@ -504,7 +504,8 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     if grouped is None:
         grouped = _grouped_topk(k)
     if k and _gluon_topk(hidden, weight, cfg, grouped, k):
-        splits = _vocab_gluon.topk_splits(n, vocab, slots)
+        row_bytes = hidden.shape[1] * hidden.element_size()
+        splits = _vocab_gluon.topk_splits(n, vocab, slots, row_bytes)
         part, top_v, top_i = _vocab_gluon.topk_buffers(n, vocab, k, splits, hidden.device)
         _vocab_gluon.launch_topk_pingpong(
             hidden, weight, target, k, part, top_v, top_i, splits, slots, passes=cfg["passes"]
