@@ -11,6 +11,10 @@ config).
 
 ``--topk``: instead, the top-20 forward: the whole call through the Gluon and the Triton
 kernels, each kernel alone, and the Gluon kernel per ring / grouping variant.
+
+``--topk-splits``: the top-20 forward's kernels alone per column split count (how many row
+blocks the programs hold at once, so how much of the hidden operand stays in L2), and the whole
+Gluon call at a forced split count.
 """
 
 import argparse
@@ -114,11 +118,10 @@ def _forward_fns(hidden, weight):
 
 
 TOPK_VARIANTS = [
-    ("top-20 kernel, 4 stages, group 8", {}),
-    ("top-20 kernel, 5 stages, group 8", dict(stages=5)),
-    ("top-20 kernel, 4 stages, group 16", dict(GROUP=16)),
-    # Each warpgroup's tile of the Triton kernel: a quarter more operand bytes per product.
-    ("top-20 kernel, 64 x 256 tiles, group 16", dict(BM=64, BN=256, GROUP=16)),
+    ("top-20 kernel, 64 x 256 tiles, group 16", {}),
+    ("top-20 kernel, 64 x 256 tiles, group 8", dict(GROUP=8)),
+    # The statistics kernel's tile: two consumers' top-k over half the columns each.
+    ("top-20 kernel, 128 x 128 tiles, group 8", dict(BM=128, BN=128, GROUP=8)),
 ]
 
 
@@ -147,7 +150,7 @@ def _topk_fns(hidden, weight, k=20):
     )
     for label, over in TOPK_VARIANTS:
         tcfg = dict(pp.TOPK_CONFIG, **over)
-        tsplits = pp.topk_splits(n, vocab, SMS, tcfg)
+        tsplits = pp.topk_splits(n, vocab, SMS, H * 2, tcfg)
         tbufs = pp.topk_buffers(n, vocab, k, tsplits, dev)
         fns[f"{label} ({tsplits} splits)"] = lambda tcfg=tcfg, s=tsplits, b=tbufs: (
             pp.launch_topk_pingpong(hidden, weight, None, k, *b, s, SMS, cfg=tcfg)
@@ -155,20 +158,87 @@ def _topk_fns(hidden, weight, k=20):
     return fns
 
 
-def topk_timing(n, vocab, reps):
-    hidden, weight = _inputs(n, vocab, 0)
-    logits = torch.empty(n, vocab, dtype=hidden.dtype, device=dev)
-    fns = {"gemm": lambda: torch.mm(hidden, weight.t(), out=logits)}
-    fns.update(_topk_fns(hidden, weight))
-    _, ratios = time_round_robin(fns, dev, reps, 1, unit="gemm", lead_ms=2.0)
-    return [f"| {n} x {vocab} | {label} | {r:.3f} |" for label, r in ratios.items()]
+SPLIT_COUNTS = (2, 4, 8, 9, 10, 12, 16)
 
 
-def timing(n, vocab, reps):
-    hidden, weight = _inputs(n, vocab, 0)
-    logits = torch.empty(n, vocab, dtype=hidden.dtype, device=dev)
-    fns = {"gemm": lambda: torch.mm(hidden, weight.t(), out=logits)}
-    fns.update(_forward_fns(hidden, weight))
+def _effective_splits(vocab, want, bn):
+    num_c = -(-vocab // bn)
+    per = -(-num_c // want)
+    return -(-num_c // per)
+
+
+def _split_fns(hidden, weight, k=20):
+    """The Gluon top-k kernel alone at each of ``SPLIT_COUNTS`` (and the 128 x 128 variant at 8),
+    the Triton kernel alone at its model's count and at 8, and the whole Gluon call with the
+    split count forced to 8 and to the model's."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    fns = {}
+    cfg = vocab_ops.kernel_config("fwd_topk")
+    model = vocab_ops.forward_splits(n, vocab, k, SMS)
+    for s in sorted({model, 8}):
+        bufs = vocab_ops._split_buffers(s, 4, n, k, dev)
+        fns[f"Triton kernel alone, {s} splits{' (model)' if s == model else ''}"] = (
+            lambda s=s, bufs=bufs: vocab_ops._vocab_triton.launch_stats_fwd(
+                hidden, weight, None, k, *bufs, s, cfg, True
+            )
+        )
+    gmodel = pp.topk_splits(n, vocab, SMS, H * 2)
+    for label, over, counts in (
+        ("Gluon 64 x 256", {}, SPLIT_COUNTS),
+        ("Gluon 128 x 128", dict(BM=128, BN=128, GROUP=8), (8,)),
+    ):
+        tcfg = dict(pp.TOPK_CONFIG, **over)
+        seen = set()
+        for want in counts:
+            s = _effective_splits(vocab, want, tcfg["BN"])
+            if s in seen:
+                continue
+            seen.add(s)
+            b = pp.topk_buffers(n, vocab, k, s, dev)
+            tag = " (model)" if s == gmodel and not over else ""
+            fns[f"{label} kernel alone, {s} splits{tag}"] = lambda tcfg=tcfg, s=s, b=b: (
+                pp.launch_topk_pingpong(hidden, weight, None, k, *b, s, SMS, cfg=tcfg)
+            )
+
+    def whole(splits):
+        def run():
+            saved_cfg = vocab_ops.kernel_config("fwd_topk")
+            saved_fn = pp.topk_splits
+            vocab_ops.set_kernel_config("fwd_topk", pingpong=True)
+            if splits:
+                pp.topk_splits = lambda *a, **kw: splits
+            try:
+                vocab_ops.vocab_stats(hidden, weight, None, k)
+            finally:
+                pp.topk_splits = saved_fn
+                vocab_ops.set_kernel_config("fwd_topk", **saved_cfg)
+
+        return run
+
+    fns["Triton call"] = lambda: vocab_ops.vocab_stats(hidden, weight, None, k)
+    fns[f"Gluon call, {gmodel} splits (model)"] = whole(None)
+    fns["Gluon call, 8 splits"] = whole(_effective_splits(vocab, 8, pp.TOPK_CONFIG["BN"]))
+    return fns
+
+
+def _against_gemm(make_fns):
+    """A timing function ``(n, vocab, reps) -> table rows``: ``make_fns(hidden, weight)``'s calls
+    timed in turns with the unit GEMM, in GEMMs (queued)."""
+
+    def timing(n, vocab, reps):
+        hidden, weight = _inputs(n, vocab, 0)
+        logits = torch.empty(n, vocab, dtype=hidden.dtype, device=dev)
+        fns = {"gemm": lambda: torch.mm(hidden, weight.t(), out=logits)}
+        fns.update(make_fns(hidden, weight))
+        _, ratios = time_round_robin(fns, dev, reps, 1, unit="gemm", lead_ms=2.0)
+        return [f"| {n} x {vocab} | {label} | {r:.3f} |" for label, r in ratios.items()]
+
+    return timing
+
+
+def _dlogits_fns(hidden, weight):
+    """The k = 0 forward's calls and kernels, and each d_logits kernel over all its slices."""
+    fns = _forward_fns(hidden, weight)
     for label, (_, slices) in _kernels(hidden, weight).items():
 
         def all_slices(slices=slices):
@@ -176,8 +246,12 @@ def timing(n, vocab, reps):
                 launch()
 
         fns[label] = all_slices
-    _, ratios = time_round_robin(fns, dev, reps, 1, unit="gemm", lead_ms=2.0)
-    return [f"| {n} x {vocab} | {label} | {r:.3f} |" for label, r in ratios.items()]
+    return fns
+
+
+topk_split_timing = _against_gemm(_split_fns)
+topk_timing = _against_gemm(_topk_fns)
+timing = _against_gemm(_dlogits_fns)
 
 
 def main(argv=None):
@@ -189,7 +263,14 @@ def main(argv=None):
     parser.add_argument(
         "--topk", action="store_true", help="only the top-20 forward: calls and kernels alone"
     )
+    parser.add_argument(
+        "--topk-splits", action="store_true", help="only the top-20 kernels per split count"
+    )
     args = parser.parse_args(argv)
+    if args.topk_splits:
+        print(f"# top-20 forward per split count, {torch.cuda.get_device_name()}, H = {H}, bf16\n")
+        _print_timings("| shape | kernel | GEMMs (queued) |", topk_split_timing, args)
+        return
     if args.topk:
         print(f"# ping-pong top-20 forward, {torch.cuda.get_device_name()}, H = {H}, bf16\n")
         _print_timings("| shape | kernel | GEMMs (queued) |", topk_timing, args)

@@ -63,8 +63,8 @@ def main(argv=None):
                 compiled = gluon.compile_only(kernel, dtype, "cpu")
                 rows.append((f"{label}, {name}", assemble(compiled)))
         for label, cfg in (
-            ("top-k 128 x 128 (configured)", gluon.TOPK_CONFIG),
-            ("top-k 64 x 256", dict(gluon.TOPK_CONFIG, BM=64, BN=256, GROUP=16)),
+            ("top-k 64 x 256 (configured)", gluon.TOPK_CONFIG),
+            ("top-k 128 x 128", dict(gluon.TOPK_CONFIG, BM=128, BN=128, GROUP=8)),
         ):
             for k in map(int, args.k.split(",")):
                 compiled = gluon.compile_only("topk", torch.bfloat16, "cpu", k, cfg=cfg)

@@ -103,19 +103,21 @@ if [[ "$mode" == probe || "$mode" == head || "$mode" == topk || "$mode" == probe
 fi
 
 if [[ "$mode" == gluon-topk ]]; then
-  # The Gluon top-k forward (opt-in until measured): the head's GPU tests first (its side-by-side
-  # with the Triton kernel and the fp64 "gluon-topk" cases among them), then both kernels alone
-  # and both calls (probe_pingpong.py --topk), then the head table with both top-k paths.
-  # Timeouts sum to 570 s: one device call (600 s).
+  # The Gluon top-k forward: the head's GPU tests first (its side-by-side with the Triton kernel
+  # and the fp64 "triton-topk" cases among them), then both top-k kernels alone per split count
+  # and both calls (probe_pingpong.py --topk-splits), then the head table with every method and
+  # both top-k paths. Timeouts sum to 580 s: one device call (600 s).
   carry_wheels
   TESTS_TIMEOUT="${TESTS_TIMEOUT:-220}" head_gpu_tests
-  echo "== top-k probe, Gluon and Triton"
-  timeout "${PROBE_TIMEOUT:-160}" "$py" benchmarks/probe_pingpong.py --topk --reps "${PROBE_REPS:-7}" \
-    2>&1 | tee "$out/probe_gluon_topk.log" | grep -E "^\||Error" | tail -n 40
+  echo "== top-k kernels per split count, Gluon and Triton"
+  timeout "${PROBE_TIMEOUT:-100}" "$py" benchmarks/probe_pingpong.py --topk-splits \
+    --reps "${PROBE_REPS:-7}" 2>&1 | tee "$out/probe_topk_splits.log" | grep -E "^\||Error" \
+    | tail -n 50
   echo "== head benchmark"
-  timeout "${BENCH_TIMEOUT:-190}" "$py" benchmarks/bench_head.py --reps "${BENCH_REPS:-9}" \
-    --warmup 1 --methods "${BENCH_METHODS:-ours,ours+top20/triton,ours+top20/gluon,cublas-floor}" \
-    --out "$out" 2>&1 | tee "$out/head_bench.log" | tail -n 30
+  methods=ours,ours+top20,ours+top20/triton,ours@1024,cublas-floor,naive,liger,cce
+  timeout "${BENCH_TIMEOUT:-260}" "$py" benchmarks/bench_head.py --reps "${BENCH_REPS:-9}" \
+    --warmup 1 --methods "${BENCH_METHODS:-$methods}" --out "$out" 2>&1 \
+    | tee "$out/head_bench.log" | tail -n 45
   exit 0
 fi
 
