@@ -15,6 +15,9 @@ kernels, each kernel alone, and the Gluon kernel per ring / grouping variant.
 ``--topk-splits``: the top-20 forward's kernels alone per column split count (how many row
 blocks the programs hold at once, so how much of the hidden operand stays in L2), and the whole
 Gluon call at a forced split count.
+
+``--profile``: the GPU kernels of one top-20 call per shape (torch.profiler), after a 2 ms busy
+lead so that its launches queue as in a training step.
 """
 
 import argparse
@@ -254,6 +257,25 @@ topk_timing = _against_gemm(_topk_fns)
 timing = _against_gemm(_dlogits_fns)
 
 
+def profile_topk(n, vocab, k=20):
+    """The kernels of one top-20 call (default config), each with its GPU time."""
+    hidden, weight = _inputs(n, vocab, 0)
+    target = torch.randint(0, vocab, (n,), device=dev)
+    for _ in range(2):
+        vocab_ops.vocab_stats(hidden, weight, target, k)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(2_000_000)
+        vocab_ops.vocab_stats(hidden, weight, target, k)
+        torch.cuda.synchronize()
+    print(f"\n{n} x {vocab}, top-{k} call, GEMMs at the unit's ms: see --topk-splits")
+    print(
+        prof.key_averages().table(
+            sort_by="device_time_total", row_limit=30, max_name_column_width=60
+        )
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=7)
@@ -266,7 +288,14 @@ def main(argv=None):
     parser.add_argument(
         "--topk-splits", action="store_true", help="only the top-20 kernels per split count"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="only the kernels of one top-20 call per shape"
+    )
     args = parser.parse_args(argv)
+    if args.profile:
+        for shape in args.shapes.split(","):
+            profile_topk(*map(int, shape.split("x")))
+        return
     if args.topk_splits:
         print(f"# top-20 forward per split count, {torch.cuda.get_device_name()}, H = {H}, bf16\n")
         _print_timings("| shape | kernel | GEMMs (queued) |", topk_split_timing, args)
