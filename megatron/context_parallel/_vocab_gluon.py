@@ -7,11 +7,11 @@ that the epilogue does not stall the tensor cores. The Triton kernels (``_vocab_
 tensor cores idle during every epilogue. Here each persistent program holds three
 warp-specialised partitions: one warp issues the TMA loads of every tile into one ring of
 shared-memory stages, and two consumer warpgroups take the program's tiles in turns, each a
-128x128 tile with its own accumulator in registers. A consumer starts a tile's mainloop once the
-other has issued its previous tile's products, so the two mainloops alternate on the tensor cores
-and each epilogue runs under the other consumer's mainloop: the "ping-pong" schedule of
-CUTLASS's Hopper kernels. Tiles are walked in grouped order (row blocks fastest within a group)
-so the tiles in flight share operands in L2.
+128x128 tile (64x256 for the top-k) with its own accumulator in registers. A consumer starts
+a tile's mainloop once the other has issued its previous tile's products, so the two mainloops
+alternate on the tensor cores and each epilogue runs under the other consumer's mainloop: the
+"ping-pong" schedule of CUTLASS's Hopper kernels. Tiles are walked in grouped order (row blocks
+fastest within a group) so the tiles in flight share operands in L2.
 
 * ``_stats_pingpong_kernel``: per tile, the rows' max, sum of ``exp(logit - max)`` and the
   target's logit, written per 128-column block; ``vocab_ops._combine_splits`` merges the blocks
@@ -21,7 +21,8 @@ so the tiles in flight share operands in L2.
   and a contiguous run of column tiles, whose tiles the two consumers take in turns, each with
   its own running statistics and top-k, written per unit and consumer for
   ``vocab_ops._combine_splits``. The running top-k waits in shared memory while a tile's
-  products and statistics hold the registers.
+  products and statistics hold the registers. A program reloads its row block for every tile,
+  so ``topk_splits`` keeps the row blocks in flight few enough to stay in L2.
 * ``_dlogits_pingpong_kernel``: the same ``d_logits`` as ``_vocab_triton._dlogits_kernel``
   (rounded once to the input dtype), stored through TMA from a per-consumer shared-memory tile.
 
@@ -29,7 +30,8 @@ The Gluon kernels' logits agree with the Triton ones to a few fp32 units in the 
 (equal bits on most shapes; they issue 64x128 wgmma products, the Triton kernels 64x256).
 H200, bf16, H = 5,120 (RESULTS.md "Session 11", queued): the forward kernel alone 0.96-1.01
 GEMMs (whole k = 0 call 0.98-1.04, the Triton one 0.97-1.07); d_logits over all slices
-1.01-1.09 against the Triton kernel's 1.07-1.13; the top-k kernel not yet run.
+1.01-1.09 against the Triton kernel's 1.07-1.13; the top-20 kernel alone 1.03-1.15 against
+1.11-1.19 (RESULTS.md "Session 13").
 
 Written in Gluon (``triton.experimental.gluon``, Triton's explicit-layout dialect, whose warp
 specialisation works on Hopper where Triton 3.6's automatic one does not), against the Triton
