@@ -550,7 +550,7 @@ def test_torch_compile_and_opcheck():
         (12800, 120, 64, 20, torch.bfloat16, True),  # one-tile units: a consumer sits some out
         (1000, 5003, 64, 1, torch.float16, True),
         (100, 40, 64, 40, torch.bfloat16, True),  # k = the shard, 64 slots: one consumer idle
-        (4100, 37984, 128, 20, torch.bfloat16, True),  # a TP-4 shard's width, four splits
+        (4100, 37984, 128, 20, torch.bfloat16, True),  # a TP-4 shard's width, two splits
     ],
 )
 def test_gluon_topk_against_the_triton_kernel(n, vocab, width, k, dtype, with_target, monkeypatch):
