@@ -16,7 +16,7 @@ kernels, each kernel alone, and the Gluon kernel per ring / grouping variant.
 blocks the programs hold at once, so how much of the hidden operand stays in L2), and the whole
 Gluon call at a forced split count.
 
-``--profile``: the GPU kernels of one top-20 call per shape (torch.profiler), after a 2 ms busy
+``--profile``: the GPU kernels of one top-20 call per shape (torch.profiler), after a ~1 ms busy
 lead so that its launches queue as in a training step.
 """
 
@@ -88,6 +88,26 @@ def check(n, vocab, width):
     return lines
 
 
+def _call(hidden, weight, k, pingpong, splits=None):
+    """One whole ``vocab_stats`` call with top-k ``k`` (its config "fwd_topk", or "fwd" for 0)
+    through the Gluon (``pingpong``) or the Triton kernel, with the Gluon top-k's split count
+    forced to ``splits`` when given; the config is restored after."""
+    name = "fwd_topk" if k else "fwd"
+
+    def run():
+        saved, saved_splits = vocab_ops.kernel_config(name), pp.topk_splits
+        vocab_ops.set_kernel_config(name, pingpong=pingpong)
+        if splits:
+            pp.topk_splits = lambda *args, **kwargs: splits
+        try:
+            vocab_ops.vocab_stats(hidden, weight, None, k)
+        finally:
+            pp.topk_splits = saved_splits
+            vocab_ops.set_kernel_config(name, **saved)
+
+    return run
+
+
 FWD_VARIANTS = [
     ("fwd kernel, 6 stages, group 8", {}),
     ("fwd kernel, 4 stages, group 8", dict(stages=4)),
@@ -98,19 +118,10 @@ FWD_VARIANTS = [
 def _forward_fns(hidden, weight):
     """The whole k = 0 forward (Gluon and Triton kernels), and the Gluon kernel alone per
     variant."""
-
-    def whole(pingpong):
-        def run():
-            saved = vocab_ops.kernel_config("fwd")
-            vocab_ops.set_kernel_config("fwd", pingpong=pingpong)
-            try:
-                vocab_ops.vocab_stats(hidden, weight, None, 0)
-            finally:
-                vocab_ops.set_kernel_config("fwd", **saved)
-
-        return run
-
-    fns = {"fwd call, Gluon": whole(True), "fwd call, Triton": whole(False)}
+    fns = {
+        "fwd call, Gluon": _call(hidden, weight, 0, True),
+        "fwd call, Triton": _call(hidden, weight, 0, False),
+    }
     for label, over in FWD_VARIANTS:
         cfg = dict(pp.STATS_CONFIG, **over)
         part = torch.empty(pp.stats_tiles(weight.shape[0], cfg), 3, hidden.shape[0], device=dev)
@@ -132,19 +143,10 @@ def _topk_fns(hidden, weight, k=20):
     """The whole top-k forward (Gluon and Triton kernels), each kernel alone (the Triton one
     with the split count the call would take), and the Gluon kernel per variant."""
     n, vocab = hidden.shape[0], weight.shape[0]
-
-    def whole(pingpong):
-        def run():
-            saved = vocab_ops.kernel_config("fwd_topk")
-            vocab_ops.set_kernel_config("fwd_topk", pingpong=pingpong)
-            try:
-                vocab_ops.vocab_stats(hidden, weight, None, k)
-            finally:
-                vocab_ops.set_kernel_config("fwd_topk", **saved)
-
-        return run
-
-    fns = {"top-20 call, Gluon": whole(True), "top-20 call, Triton": whole(False)}
+    fns = {
+        "top-20 call, Gluon": _call(hidden, weight, k, True),
+        "top-20 call, Triton": _call(hidden, weight, k, False),
+    }
     cfg = vocab_ops.kernel_config("fwd_topk")
     splits = vocab_ops.forward_splits(n, vocab, k, SMS)
     bufs = vocab_ops._split_buffers(splits, 4, n, k, dev)
@@ -203,24 +205,10 @@ def _split_fns(hidden, weight, k=20):
                 pp.launch_topk_pingpong(hidden, weight, None, k, *b, s, SMS, cfg=tcfg)
             )
 
-    def whole(splits):
-        def run():
-            saved_cfg = vocab_ops.kernel_config("fwd_topk")
-            saved_fn = pp.topk_splits
-            vocab_ops.set_kernel_config("fwd_topk", pingpong=True)
-            if splits:
-                pp.topk_splits = lambda *a, **kw: splits
-            try:
-                vocab_ops.vocab_stats(hidden, weight, None, k)
-            finally:
-                pp.topk_splits = saved_fn
-                vocab_ops.set_kernel_config("fwd_topk", **saved_cfg)
-
-        return run
-
-    fns["Triton call"] = lambda: vocab_ops.vocab_stats(hidden, weight, None, k)
-    fns[f"Gluon call, {gmodel} splits (model)"] = whole(None)
-    fns["Gluon call, 8 splits"] = whole(_effective_splits(vocab, 8, pp.TOPK_CONFIG["BN"]))
+    fns["Triton call"] = _call(hidden, weight, k, False)
+    fns[f"Gluon call, {gmodel} splits (model)"] = _call(hidden, weight, k, True)
+    eight = _effective_splits(vocab, 8, pp.TOPK_CONFIG["BN"])
+    fns["Gluon call, 8 splits"] = _call(hidden, weight, k, True, eight)
     return fns
 
 
