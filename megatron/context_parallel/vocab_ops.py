@@ -134,8 +134,8 @@ _CONFIG = {
         passes=3,
         pass_cost=0.01,
         reselect_ahead=128,
-        # The Gluon top-k kernel (its own 64 x 256 tile, G, passes); H200: RESULTS.md
-        # "Session 13".
+        # The Gluon top-k kernel (its own 64 x 256 tile and G, which G here must match; passes
+        # from here); H200: RESULTS.md "Session 13".
         pingpong=True,
     ),
     "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True, pingpong=True),
