@@ -56,6 +56,12 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch import Tensor
 
+from megatron.context_parallel.attention_runs import AttentionRuns
+from megatron.context_parallel.fused_attention import (
+    compact_keys,
+    fused_attention,
+    select_backend,
+)
 from megatron.context_parallel.mappings import gather_padded_from_context_parallel_region
 from megatron.context_parallel.plan import ContextParallelPlan
 from megatron.context_parallel.rotary import (
@@ -145,7 +151,9 @@ class ContextParallelParams(PackedSeqParams):
     position_ids: Optional[Tensor] = None
     rotary_pos_emb: Optional[Tensor] = None
     source_position_ids: Optional[Tensor] = None
+    source_sequence: Optional[Tensor] = None
     padding_rows: int = 0
+    _runs: Optional[AttentionRuns] = field(default=None, repr=False, compare=False)
     _masks: Dict[bool, Tensor] = field(default_factory=dict, repr=False, compare=False)
     _exact: Optional[bool] = field(default=None, repr=False, compare=False)
 
@@ -230,6 +238,7 @@ class ContextParallelParams(PackedSeqParams):
             position_ids=local_ids,
             rotary_pos_emb=rows,
             source_position_ids=position_ids,
+            source_sequence=sequence,
             padding_rows=1 if plan.counts[rank] == 0 else 0,
         )
 
@@ -247,6 +256,16 @@ class ContextParallelParams(PackedSeqParams):
                 self.plan, self.source_position_ids, self.max_seqlen_q
             )
         return self._exact
+
+    @property
+    def runs(self) -> AttentionRuns:
+        """This rank's run tables for the fused attention (built on first use per batch, on the
+        host, and shared by every layer; see ``attention_runs``)."""
+        if self._runs is None:
+            self._runs = AttentionRuns.build(
+                self.plan, self.rank, self.source_sequence, padding_rows=self.padding_rows
+            )
+        return self._runs
 
     def allowed(self, causal: bool) -> Tensor:
         """bool ``[rows, cp_size * max_count]``: which slots each local query row may see.
@@ -412,6 +431,8 @@ class ContextParallelAttention(MegatronModule):
             # One collective for K and V: they share rows, heads and dtype.
             kv = torch.cat([key, value], dim=-1)
             kv = gather_padded_from_context_parallel_region(kv, plan.max_count, group)
+            if causal and self._backend(query) == "cudnn":
+                return self._fused(query, kv, params.runs)
             keys, values = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
             allowed = params.allowed(causal)[None, None]
         else:
@@ -420,6 +441,24 @@ class ContextParallelAttention(MegatronModule):
                 f"(or None on one rank), got {type(packed_seq_params).__name__}"
             )
         return self._attend(query, keys, values, allowed)
+
+    def _backend(self, query: Tensor) -> str:
+        dropout = self.attention_dropout.p if self.training else 0.0
+        head_dim = self.hidden_size_per_attention_head
+        return select_backend(query, head_dim, query.shape[1], dropout)
+
+    def _fused(self, query: Tensor, kv_slots: Tensor, runs: AttentionRuns) -> Tensor:
+        """The fused path: compact keys from the gathered slots, then the run tables' kernel."""
+        sq = query.shape[0]
+        kv = compact_keys(kv_slots.flatten(1, 2), runs)  # [N, G, 2d]; b == 1 here
+        context = fused_attention(
+            query.flatten(1, 2),
+            kv,
+            runs,
+            self.softmax_scale,
+            deterministic=bool(getattr(self.config, "deterministic_mode", False)),
+        )
+        return context.view(sq, 1, self.hidden_size_per_partition)
 
     def _single_rank_mask(
         self, query: Tensor, attention_mask: Optional[Tensor], causal: bool

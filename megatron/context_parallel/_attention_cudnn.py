@@ -1,0 +1,326 @@
+"""cuDNN's fused attention (through ``nvidia-cudnn-frontend``) as the kernel of the run tables.
+
+One cuDNN graph runs every entry of an ``AttentionRuns`` batch: queries, keys and values are
+addressed per entry by ragged offsets (element offsets of each entry's first row), entry
+lengths by ``seq_len_q`` / ``seq_len_kv`` with the padding mask, and the causal diagonal is
+aligned to each entry's bottom-right corner. Keys of several entries may overlap in the forward
+(they only read); the backward is given a key buffer whose entries do not overlap (the run
+tables copy them when needed), since it writes each entry's key gradients whole.
+
+Shapes (``H`` query heads, ``G`` key/value heads, ``d`` head dim; GQA is native, no repeat):
+
+* forward: ``q`` ``[Tq, H, d]``, ``kv`` ``[N, G, 2d]`` (keys in ``[..., :d]``, values in
+  ``[..., d:]``) -> ``o`` ``[Tq, H, d]`` and the softmax log-sum-exp ``[Tq, H]`` fp32.
+* backward: the same plus ``do`` -> ``dq`` ``[Tq, H, d]``, ``dkv`` ``[M, G, 2d]``.
+
+Graphs are built once per bucketed shape (``AttentionRuns.batch / max_q / max_kv / total_*``)
+and cached: a batch with new lengths reuses them. ``graph_builds()`` counts builds.
+
+Requires a CUDA device and ``pip install nvidia-cudnn-frontend`` (the ``attention`` extra);
+``available()`` says whether both are there. fp16 / bf16 only.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["available", "forward", "backward", "graph_builds"]
+
+# Distinct tensor ids inside one graph.
+_Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
+_LEN_Q, _LEN_KV = 10, 11
+_OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DQ, _OFF_DK, _OFF_DV = range(20, 28)
+
+_GRAPHS: Dict[tuple, tuple] = {}
+_BUILDS = [0]
+_LOCK = threading.Lock()
+_HANDLES = threading.local()
+
+
+@functools.lru_cache(maxsize=1)
+def _cudnn():
+    """The ``cudnn`` module, or None when the frontend (or cuDNN itself) cannot load."""
+    try:
+        import cudnn
+
+        cudnn.backend_version()
+    except Exception:  # noqa: BLE001 - any failure to load means the backend is unavailable
+        return None
+    return cudnn
+
+
+def available(device: torch.device) -> bool:
+    """Whether the cuDNN backend can run on ``device`` (CUDA, frontend importable)."""
+    return device.type == "cuda" and _cudnn() is not None
+
+
+def graph_builds() -> int:
+    """How many cuDNN graphs this process has built (one per new bucketed shape)."""
+    return _BUILDS[0]
+
+
+def _handle(device: torch.device):
+    handles = getattr(_HANDLES, "by_device", None)
+    if handles is None:
+        handles = _HANDLES.by_device = {}
+    cudnn = _cudnn()
+    handle = handles.get(device)
+    if handle is None:
+        with torch.cuda.device(device):
+            handle = handles[device] = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+    return handle
+
+
+def _graph(key: tuple, build):
+    entry = _GRAPHS.get(key)
+    if entry is None:
+        with _LOCK:
+            entry = _GRAPHS.get(key)
+            if entry is None:
+                entry = _GRAPHS[key] = build()
+                _BUILDS[0] += 1
+    return entry
+
+
+def _io_type(dtype: torch.dtype):
+    cudnn = _cudnn()
+    if dtype == torch.bfloat16:
+        return cudnn.data_type.BFLOAT16
+    if dtype == torch.float16:
+        return cudnn.data_type.HALF
+    raise ValueError(f"cuDNN attention takes fp16 / bf16, got {dtype}")
+
+
+def _ragged(g, name: str, uid: int, batch: int):
+    cudnn = _cudnn()
+    return g.tensor(
+        name=name, dim=[batch + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+        data_type=cudnn.data_type.INT64, uid=uid,
+    )  # fmt: skip
+
+
+def _lengths(g, batch: int):
+    cudnn = _cudnn()
+    return tuple(
+        g.tensor(
+            name=name, dim=[batch, 1, 1, 1], stride=[1, 1, 1, 1],
+            data_type=cudnn.data_type.INT32, uid=uid,
+        )  # fmt: skip
+        for name, uid in (("seq_len_q", _LEN_Q), ("seq_len_kv", _LEN_KV))
+    )
+
+
+def _rows(g, name, uid, batch, heads, seq, dim, token_stride, head_stride, io, offsets):
+    """A ``[batch, heads, seq, dim]`` descriptor of a row-major ``[T, heads, *]`` buffer whose
+    entries start at ragged offsets (the batch stride is a placeholder)."""
+    t = g.tensor(
+        name=name,
+        dim=[batch, heads, seq, dim],
+        stride=[seq * token_stride, head_stride, token_stride, 1],
+        data_type=io,
+        uid=uid,
+    )
+    t.set_ragged_offset(offsets)
+    return t
+
+
+def _finish(g):
+    cudnn = _cudnn()
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return g, g.get_workspace_size()
+
+
+def _forward_graph(handle, dtype, runs, heads, groups, dim, q_tok, kv_tok, scale, want_stats):
+    cudnn = _cudnn()
+    io = _io_type(dtype)
+    b, sq, skv = runs.batch, runs.max_q, runs.max_kv
+    g = cudnn.pygraph(
+        handle=handle, io_data_type=io,
+        intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT,
+    )  # fmt: skip
+    len_q, len_kv = _lengths(g, b)
+    q = _rows(g, "q", _Q, b, heads, sq, dim, q_tok, dim, io, _ragged(g, "off_q", _OFF_Q, b))
+    k = _rows(g, "k", _K, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_k", _OFF_K, b))
+    v = _rows(g, "v", _V, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_v", _OFF_V, b))
+    o, stats = g.sdpa(
+        name="attention",
+        q=q,
+        k=k,
+        v=v,
+        generate_stats=want_stats,
+        attn_scale=scale,
+        use_padding_mask=True,
+        seq_len_q=len_q,
+        seq_len_kv=len_kv,
+        diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
+        diagonal_band_right_bound=0,
+    )
+    o.set_uid(_O).set_output(True).set_dim([b, heads, sq, dim])
+    o.set_stride([sq * heads * dim, dim, heads * dim, 1]).set_data_type(io)
+    o.set_ragged_offset(_ragged(g, "off_o", _OFF_O, b))
+    if want_stats:
+        stats.set_uid(_STATS).set_output(True).set_dim([b, heads, sq, 1])
+        stats.set_stride([sq * heads, 1, heads, 1]).set_data_type(cudnn.data_type.FLOAT)
+        stats.set_ragged_offset(_ragged(g, "off_stats", _OFF_STATS, b))
+    return _finish(g)
+
+
+def _backward_graph(handle, dtype, runs, heads, groups, dim, scale, deterministic):
+    cudnn = _cudnn()
+    io = _io_type(dtype)
+    b, sq, skv = runs.batch, runs.max_q, runs.max_kv
+    q_tok, kv_tok = heads * dim, groups * 2 * dim
+    g = cudnn.pygraph(
+        handle=handle, io_data_type=io,
+        intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT,
+    )  # fmt: skip
+    len_q, len_kv = _lengths(g, b)
+    off_q = _ragged(g, "off_q", _OFF_Q, b)
+    off_k = _ragged(g, "off_k", _OFF_K, b)
+    off_v = _ragged(g, "off_v", _OFF_V, b)
+    q = _rows(g, "q", _Q, b, heads, sq, dim, q_tok, dim, io, off_q)
+    k = _rows(g, "k", _K, b, groups, skv, dim, kv_tok, 2 * dim, io, off_k)
+    v = _rows(g, "v", _V, b, groups, skv, dim, kv_tok, 2 * dim, io, off_v)
+    off_o = _ragged(g, "off_o", _OFF_O, b)
+    o = _rows(g, "o", _O, b, heads, sq, dim, q_tok, dim, io, off_o)
+    do = _rows(g, "do", _DO, b, heads, sq, dim, q_tok, dim, io, off_o)
+    # The backward takes the statistics padded per entry (no ragged offsets).
+    stats = g.tensor(
+        name="stats", dim=[b, heads, sq, 1], stride=[heads * sq, sq, 1, 1],
+        data_type=cudnn.data_type.FLOAT, uid=_STATS,
+    )  # fmt: skip
+    dq, dk, dv = g.sdpa_backward(
+        name="attention_backward",
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        dO=do,
+        stats=stats,
+        attn_scale=scale,
+        use_padding_mask=True,
+        seq_len_q=len_q,
+        seq_len_kv=len_kv,
+        max_total_seq_len_q=runs.total_q,
+        max_total_seq_len_kv=runs.total_mat,
+        diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
+        diagonal_band_right_bound=0,
+        use_deterministic_algorithm=deterministic,
+    )
+    for t, uid, h, tok, hs, name, off in (
+        (dq, _DQ, heads, q_tok, dim, "off_dq", _OFF_DQ),
+        (dk, _DK, groups, kv_tok, 2 * dim, "off_dk", _OFF_DK),
+        (dv, _DV, groups, kv_tok, 2 * dim, "off_dv", _OFF_DV),
+    ):
+        t.set_uid(uid).set_output(True).set_dim([b, h, sq if t is dq else skv, dim])
+        t.set_stride([(sq if t is dq else skv) * tok, hs, tok, 1]).set_data_type(io)
+        t.set_ragged_offset(_ragged(g, name, off, b))
+    return _finish(g)
+
+
+def _workspace(size: int, device) -> torch.Tensor:
+    return torch.empty(max(int(size), 1), dtype=torch.uint8, device=device)
+
+
+def forward(
+    q: torch.Tensor, kv: torch.Tensor, runs, dev, scale: float, want_stats: bool
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Attention of every entry; see the module docstring for shapes.
+
+    ``q`` and ``kv`` must be contiguous. Returns ``o`` (rows outside every entry are zero) and
+    the fp32 log-sum-exp ``[Tq, H]`` when ``want_stats`` (else None).
+    """
+    tq, heads, dim = q.shape
+    groups = kv.shape[1]
+    key = ("fwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
+           want_stats, q.device)  # fmt: skip
+    handle = _handle(q.device)
+    g, ws = _graph(
+        key,
+        lambda: _forward_graph(
+            handle, q.dtype, runs, heads, groups, dim, heads * dim, groups * 2 * dim, scale,
+            want_stats,
+        ),
+    )  # fmt: skip
+    alloc = torch.empty if runs.rows_covered or not runs.identity else torch.zeros
+    o = alloc((tq, heads, dim), dtype=q.dtype, device=q.device)
+    stats = torch.empty((tq, heads), dtype=torch.float32, device=q.device) if want_stats else None
+    kv_tok = groups * 2 * dim
+    buffers = [q, kv, kv[..., dim:], o, dev.seq_len_q, dev.seq_len_kv]
+    uids = [_Q, _K, _V, _O, _LEN_Q, _LEN_KV]
+    offsets = [
+        (_OFF_Q, dev.offsets("q_rows", heads * dim)),
+        (_OFF_K, dev.offsets("kv_rows", kv_tok)),
+        (_OFF_V, dev.offsets("kv_rows", kv_tok)),
+        (_OFF_O, dev.offsets("q_rows", heads * dim)),
+    ]
+    if want_stats:
+        buffers.append(stats)
+        uids.append(_STATS)
+        offsets.append((_OFF_STATS, dev.offsets("q_rows", heads)))
+    for uid, t in offsets:
+        buffers.append(t)
+        uids.append(uid)
+    if runs.entries:
+        g.execute(buffers, _workspace(ws, q.device), handle=handle, tensor_uids=uids)
+    elif stats is not None:
+        stats.zero_()
+    return o, stats
+
+
+def backward(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    stats: torch.Tensor,
+    runs,
+    dev,
+    scale: float,
+    deterministic: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of every entry: ``dq`` ``[Tq, H, d]`` and ``dkv`` ``[M, G, 2d]`` for the
+    backward key buffer ``kv`` (entries must not overlap in it). All inputs contiguous."""
+    tq, heads, dim = q.shape
+    groups = kv.shape[1]
+    key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, runs.total_q, runs.total_mat,
+           heads, groups, dim, scale, deterministic, q.device)  # fmt: skip
+    handle = _handle(q.device)
+    g, ws = _graph(
+        key,
+        lambda: _backward_graph(handle, q.dtype, runs, heads, groups, dim, scale, deterministic),
+    )
+    padded = _padded_stats(stats, dev, runs, heads)
+    dq = (torch.empty if runs.rows_covered else torch.zeros)(
+        (tq, heads, dim), dtype=q.dtype, device=q.device
+    )
+    covered = runs.materialize or runs.keys_covered
+    dkv = (torch.empty if covered else torch.zeros)(kv.shape, dtype=kv.dtype, device=kv.device)
+    if not runs.entries:
+        return dq.zero_(), dkv.zero_()
+    kv_tok = groups * 2 * dim
+    q_off = dev.offsets("q_rows", heads * dim)
+    kv_off = dev.offsets("mat_rows", kv_tok)
+    buffers = [q, kv, kv[..., dim:], o, do, padded, dq, dkv, dkv[..., dim:]]
+    uids = [_Q, _K, _V, _O, _DO, _STATS, _DQ, _DK, _DV]
+    buffers += [dev.seq_len_q, dev.seq_len_kv, q_off, kv_off, kv_off, q_off, q_off, kv_off, kv_off]
+    uids += [_LEN_Q, _LEN_KV, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_DQ, _OFF_DK, _OFF_DV]
+    g.execute(buffers, _workspace(ws, q.device), handle=handle, tensor_uids=uids)
+    return dq, dkv
+
+
+def _padded_stats(stats: torch.Tensor, dev, runs, heads: int) -> torch.Tensor:
+    """fp32 ``[batch, H, max_q, 1]`` from the forward's packed ``[Tq, H]`` statistics."""
+    from megatron.context_parallel import ops
+
+    rows = ops.gather_rows(stats, dev.stats_index)  # [batch * max_q, H], -1 slots zero
+    return rows.view(runs.batch, runs.max_q, heads).permute(0, 2, 1).contiguous().unsqueeze(-1)

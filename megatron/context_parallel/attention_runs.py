@@ -1,0 +1,316 @@
+"""Run tables: one rank's attention under any CP plan as a batch of bottom-right causal segments.
+
+Causal attention by source position, within each packed sequence, for the rows one rank owns
+(any plan: zigzag, contiguous, THD, uneven, empty, permuted, with positions nobody owns) is a
+batch of ordinary fused-attention problems once the keys are laid out in *compact* order: the
+owned positions of the batch in source order, positions nobody owns left out (no rank holds
+their keys, so no query may see them). In compact coordinates a run of consecutive rows
+``[a, b)`` of a sequence starting at ``s`` attends keys ``[s, b)``, the query at ``a + i``
+seeing ``[s, a + i]``: a causal mask aligned to the bottom-right corner of a
+``(b - a) x (b - s)`` block. Every plan decomposes exactly into such runs (a single row is a
+run), so a varlen attention kernel with per-entry query / key offsets and a bottom-right
+diagonal computes it with no score matrix in memory.
+
+Two choices keep the batch cheap for the kernel:
+
+* **Spans.** Runs of one sequence closer than ``merge_gap`` rows are merged into one entry
+  whose rows in between (held by other ranks) run as *dummy* queries: zero rows whose output is
+  dropped and whose output gradient is zero, so they add nothing to any gradient. A kernel's
+  query tile is 64-128 rows, so a plan that interleaves single positions (a random half) would
+  otherwise pay a whole tile per row.
+* **Layout.** When the rank's rows already form the entries in its local order (no dummies,
+  each run a contiguous block of local rows: zigzag, contiguous, THD, the report's plans) the
+  kernel reads the local rows in place (``identity``); otherwise the queries are gathered into
+  a span buffer (``span_source``) and the outputs gathered back (``local_to_span``).
+
+Entries of one sequence share their keys' prefix. A kernel's backward writes each entry's key
+and value gradients whole, so entries must not overlap there: when some sequence has two or
+more entries the backward reads a *materialised* key buffer, each entry's key range copied to
+its own rows (``kv_source``), and sums the per-entry gradients back onto the compact keys.
+
+Everything here is built once per batch on the host from the plan, then copied to the device
+once (``on(device)``), and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+from megatron.context_parallel.plan import ContextParallelPlan
+
+__all__ = ["AttentionRuns", "DeviceRuns"]
+
+# Runs of one sequence closer than this are merged (their gap runs as dummy queries): merging
+# costs at most this many dummy rows and saves a partly filled query tile (64-128 rows).
+DEFAULT_MERGE_GAP = 64
+
+
+def _bucket(n: int, per_octave: int = 1) -> int:
+    """``n`` rounded up to one of ``per_octave`` sizes per power of two (at least 1).
+
+    Kernel plans are keyed by these sizes, so batches of new lengths reuse built plans.
+    """
+    if n <= 1:
+        return 1
+    top = 1 << (int(n) - 1).bit_length()
+    if per_octave <= 1:
+        return top
+    step = max(top // (2 * per_octave), 1)
+    return -(-int(n) // step) * step
+
+
+@dataclass
+class DeviceRuns:
+    """The device copies of one ``AttentionRuns`` (built by ``AttentionRuns.on``).
+
+    Attributes:
+        seq_len_q: int32 ``[batch, 1, 1, 1]``, query rows of each entry (0 for padding entries).
+        seq_len_kv: int32 ``[batch, 1, 1, 1]``, keys of each entry (0 for padding entries).
+        q_rows: int64 ``[batch + 1]``, first query-buffer row of each entry.
+        kv_rows: int64 ``[batch + 1]``, first compact key row of each entry (forward).
+        mat_rows: int64 ``[batch + 1]``, first row of each entry in the backward's key buffer.
+        span_source / local_to_span / kv_source / compact_slots: as on ``AttentionRuns``.
+        stats_index: int64 ``[batch * max_q]``, the query-buffer row of each padded statistics
+            slot ``(entry, i)`` or -1.
+    """
+
+    seq_len_q: torch.Tensor
+    seq_len_kv: torch.Tensor
+    q_rows: torch.Tensor
+    kv_rows: torch.Tensor
+    mat_rows: torch.Tensor
+    span_source: Optional[torch.Tensor]
+    local_to_span: Optional[torch.Tensor]
+    kv_source: Optional[torch.Tensor]
+    compact_slots: Optional[torch.Tensor]
+    stats_index: torch.Tensor
+    _offsets: Dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def offsets(self, which: str, stride: int) -> torch.Tensor:
+        """int64 ``[batch + 1, 1, 1, 1]`` element offsets: ``which`` rows times ``stride``."""
+        key = (which, int(stride))
+        out = self._offsets.get(key)
+        if out is None:
+            out = (getattr(self, which) * int(stride)).reshape(-1, 1, 1, 1).contiguous()
+            self._offsets[key] = out
+        return out
+
+
+class AttentionRuns:
+    """One rank's causal attention under a plan, as entries of a bottom-right causal batch.
+
+    Build with ``AttentionRuns.build``; read-only afterwards. All host tensors are int64 CPU.
+
+    Attributes:
+        rows: the rank's query rows (``counts[rank] + padding_rows``).
+        num_keys: ``N``, the owned positions of the batch (the compact key rows).
+        entries: the number of real entries ``B`` (0 for a rank that owns nothing).
+        q_start, q_len, k_start, kv_len, mat_start: int64 ``[B]`` per entry: its first row in the
+            query buffer and its row count; its first compact key and key count; its first row
+            in the backward's key buffer.
+        identity: the query buffer is the local rows themselves (no gather).
+        span_source: int64 ``[query_rows]``, the local row of each query-buffer row, -1 for a
+            dummy (None when ``identity``).
+        local_to_span: int64 ``[counts[rank]]``, the query-buffer row of each local row (None
+            when ``identity``).
+        query_rows: rows of the query buffer (``rows`` when ``identity``).
+        materialize: the backward copies each entry's keys to its own rows.
+        kv_source: int64 ``[mat_rows]``, the compact key of each row of the backward's key
+            buffer (None unless ``materialize``).
+        mat_rows: rows of the backward's key buffer (``num_keys`` unless ``materialize``).
+        compact_slots: int64 ``[N]``, the all-gather slot of each compact key, or None when the
+            slots already are the compact keys (a contiguous plan with equal shards).
+        keys_covered: without copies, every compact key is attended by some entry (else the
+            key gradient starts at zero rather than being written whole by the kernel).
+        rows_covered: every query-buffer row belongs to an entry.
+        batch, max_q, max_kv, total_q, total_mat: the sizes a kernel plan is keyed by, bucketed
+            (``_bucket``) so that batches of new lengths reuse plans.
+    """
+
+    def __init__(self, **values):
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_device", {})
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"AttentionRuns is read-only (cannot set {name!r})")
+
+    @classmethod
+    def build(
+        cls,
+        plan: ContextParallelPlan,
+        rank: int,
+        sequence: torch.Tensor,
+        *,
+        padding_rows: int = 0,
+        merge_gap: int = DEFAULT_MERGE_GAP,
+    ) -> "AttentionRuns":
+        """The entries of rank ``rank``'s rows of ``plan`` (host only, no device work).
+
+        Args:
+            plan: the batch's plan.
+            rank: this rank's index in the plan.
+            sequence: int64 ``[seq_len]`` (CPU), the packed sequence of each source position
+                (non-decreasing).
+            padding_rows: extra query rows after the owned ones that attend nothing (an empty
+                rank's one padding row).
+            merge_gap: runs of one sequence with fewer than this many rows between them merge
+                into one entry (``1`` never merges).
+        """
+        owned = plan.row_source("cpu") >= 0
+        compact_slots = plan.row_source("cpu")[owned]
+        num_keys = int(compact_slots.numel())
+        compact_of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
+        sequence_of_key = sequence[owned]
+        # Compact index of the first key of each key's sequence (sequences are contiguous).
+        key_sequence_start = torch.searchsorted(sequence_of_key, sequence_of_key)
+
+        positions = plan.local_positions(rank)
+        n = int(positions.numel())
+        compact = compact_of_position[positions]
+        seq = sequence[positions]
+
+        order = torch.argsort(compact, stable=True)
+        sorted_compact, sorted_seq = compact[order], seq[order]
+        gaps = sorted_compact[1:] - sorted_compact[:-1]
+        new_span = (gaps > max(int(merge_gap), 1)) | (sorted_seq[1:] != sorted_seq[:-1])
+        firsts = torch.nonzero(torch.cat([torch.ones(min(n, 1), dtype=torch.bool), new_span]))
+        firsts = firsts.flatten()
+        lasts = torch.cat([firsts[1:] - 1, torch.tensor([n - 1])]) if n else firsts
+        span_lo = sorted_compact[firsts]
+        span_hi = sorted_compact[lasts] + 1
+        span_len = span_hi - span_lo
+        dummies = int(span_len.sum()) > n
+
+        identity = False
+        if not dummies:
+            # The local order holds the same runs iff it has as many maximal runs.
+            local_breaks = ((compact[1:] - compact[:-1]) != 1) | (seq[1:] != seq[:-1])
+            identity = n == 0 or int(local_breaks.sum()) + 1 == int(firsts.numel())
+        if identity:
+            local_firsts = torch.nonzero(
+                torch.cat([torch.ones(min(n, 1), dtype=torch.bool), local_breaks])
+            ).flatten()
+            local_lasts = torch.cat([local_firsts[1:], torch.tensor([n])]) if n else local_firsts
+            q_start = local_firsts
+            q_len = local_lasts - local_firsts
+            lo = compact[local_firsts] if n else local_firsts
+            span_source = local_to_span = None
+            query_rows = n + padding_rows
+        else:
+            q_len = span_len
+            q_start = torch.cumsum(span_len, 0) - span_len
+            lo = span_lo
+            query_rows = int(span_len.sum())
+            # Query-buffer row j holds compact key (lo of its span + offset), owned locally or not.
+            span_id = torch.repeat_interleave(torch.arange(span_len.numel()), span_len)
+            span_key = torch.arange(query_rows) - q_start[span_id] + span_lo[span_id]
+            local_of_key = torch.full((num_keys,), -1, dtype=torch.int64)
+            local_of_key[compact] = torch.arange(n)
+            span_source = local_of_key[span_key]
+            sorted_span = torch.repeat_interleave(torch.arange(firsts.numel()), lasts - firsts + 1)
+            local_to_span = torch.empty(n, dtype=torch.int64)
+            local_to_span[order] = sorted_compact - span_lo[sorted_span] + q_start[sorted_span]
+
+        k_start = key_sequence_start[lo] if lo.numel() else lo
+        kv_len = lo + q_len - k_start
+        entries = int(q_len.numel())
+        entry_seq = sequence_of_key[lo] if entries else lo
+        materialize = entries > 1 and int(torch.unique(entry_seq).numel()) < entries
+        if materialize:
+            mat_start = torch.cumsum(kv_len, 0) - kv_len
+            mat_rows = int(kv_len.sum())
+            kv_source = torch.arange(mat_rows) - torch.repeat_interleave(
+                mat_start - k_start, kv_len
+            )
+        else:
+            mat_start, mat_rows, kv_source = k_start, num_keys, None
+
+        # Without copies, a key past this rank's last row of its sequence is attended by no
+        # entry, so its gradient row must start at zero instead of being written.
+        keys_covered = False
+        if entries and not materialize:
+            seq_end = torch.searchsorted(sequence_of_key, sequence_of_key, right=True)
+            ends = torch.zeros(num_keys, dtype=torch.int64)
+            ends[k_start] = k_start + kv_len
+            keys_covered = bool(torch.equal(torch.cummax(ends, 0).values, seq_end))
+        return cls(
+            plan=plan,
+            rank=rank,
+            rows=n + padding_rows,
+            num_keys=num_keys,
+            entries=entries,
+            q_start=q_start,
+            q_len=q_len,
+            k_start=k_start,
+            kv_len=kv_len,
+            mat_start=mat_start,
+            identity=identity,
+            span_source=span_source,
+            local_to_span=local_to_span,
+            query_rows=query_rows,
+            materialize=materialize,
+            kv_source=kv_source,
+            mat_rows=mat_rows,
+            compact_slots=None if plan.slots_in_source_order else compact_slots,
+            keys_covered=bool(keys_covered),
+            rows_covered=padding_rows == 0,
+            batch=_bucket(entries),
+            max_q=_bucket(int(q_len.max()) if entries else 1),
+            max_kv=_bucket(int(kv_len.max()) if entries else 1),
+            total_q=_bucket(query_rows, per_octave=8),
+            total_mat=_bucket(mat_rows, per_octave=8),
+        )
+
+    def on(self, device: torch.device) -> DeviceRuns:
+        """The device tables (built on first use per device, then shared by every layer)."""
+        device = torch.device(device)
+        cached = self._device.get(device)
+        if cached is not None:
+            return cached
+        pad = self.batch - self.entries
+
+        def lengths(values: torch.Tensor) -> torch.Tensor:
+            full = torch.cat([values, values.new_zeros(pad)]).to(torch.int32)
+            return full.reshape(-1, 1, 1, 1)
+
+        def starts(values: torch.Tensor, total: int) -> torch.Tensor:
+            # Padding entries (and the closing offset) point past the last row.
+            return torch.cat([values, torch.full((pad + 1,), total, dtype=torch.int64)])
+
+        slot = torch.arange(self.max_q)
+        stats_index = torch.full((self.batch, self.max_q), -1, dtype=torch.int64)
+        if self.entries:
+            valid = slot[None, :] < self.q_len[:, None]
+            rows = self.q_start[:, None] + slot[None, :]
+            stats_index[: self.entries] = torch.where(valid, rows, -1)
+        host = DeviceRuns(
+            seq_len_q=lengths(self.q_len),
+            seq_len_kv=lengths(self.kv_len),
+            q_rows=starts(self.q_start, self.query_rows),
+            kv_rows=starts(self.k_start, self.num_keys),
+            mat_rows=starts(self.mat_start, self.mat_rows),
+            span_source=self.span_source,
+            local_to_span=self.local_to_span,
+            kv_source=self.kv_source,
+            compact_slots=self.compact_slots,
+            stats_index=stats_index.flatten(),
+        )
+        moved = DeviceRuns(
+            **{
+                name: (None if value is None else value.to(device, non_blocking=True))
+                for name, value in vars(host).items()
+                if not name.startswith("_")
+            }
+        )
+        self._device[device] = moved
+        return moved
+
+    def describe(self) -> str:
+        """One line for messages and benchmarks."""
+        layout = "in place" if self.identity else f"{self.query_rows} span rows"
+        keys = f", keys copied to {self.mat_rows} rows" if self.materialize else ""
+        return f"{self.entries} entries ({layout}{keys}) over {self.num_keys} keys"

@@ -1,0 +1,179 @@
+"""Fused causal attention of one rank's rows over the gathered keys, for any CP plan.
+
+``fused_attention(query, kv, runs, kernel, scale)`` computes, for every local query row, softmax
+attention over the compact keys its run may see (``attention_runs.AttentionRuns``), through a
+varlen kernel that keeps no score matrix in memory. The data movement around the kernel lives
+here (the query span buffer, the backward's per-entry key copies and the sum of their
+gradients); the kernel is pluggable:
+
+* ``kernel.forward(q, kv, runs, dev, scale, want_stats) -> (o, stats)``
+* ``kernel.backward(q, kv, o, do, stats, runs, dev, scale, deterministic) -> (dq, dkv)``
+
+with the shapes of ``_attention_cudnn`` (the GPU kernel, cuDNN). The tests plug a dense
+per-entry kernel in on the CPU to check every table against the dense attention.
+
+``select_backend`` is the one place that picks dense or fused attention for a call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.context_parallel import _attention_cudnn, ops
+from megatron.context_parallel.attention_runs import AttentionRuns
+
+__all__ = [
+    "fused_attention",
+    "compact_keys",
+    "select_backend",
+    "set_attention_backend",
+    "attention_backend",
+]
+
+_BACKENDS = ("auto", "dense", "cudnn")
+_SETTING = ["auto"]
+
+
+def set_attention_backend(name: str) -> None:
+    """Choose the backend of ``ContextParallelAttention`` for this process.
+
+    Args:
+        name: ``"auto"`` (default: cuDNN's fused attention for fp16 / bf16 CUDA tensors when
+            ``nvidia-cudnn-frontend`` is installed, else the dense computation), ``"dense"``
+            (always the dense computation: the CPU path and the reference) or ``"cudnn"``
+            (always fused; raises where it cannot run).
+    """
+    if name not in _BACKENDS:
+        raise ValueError(f"attention backend must be one of {_BACKENDS}, got {name!r}")
+    _SETTING[0] = name
+
+
+def attention_backend() -> str:
+    """The setting of ``set_attention_backend``."""
+    return _SETTING[0]
+
+
+def select_backend(query: torch.Tensor, head_dim: int, batch: int, dropout: float) -> str:
+    """``"cudnn"`` or ``"dense"`` for one call (the one dispatch point).
+
+    Args:
+        query: the call's query (its device and dtype decide).
+        head_dim: the head dimension.
+        batch: micro-batch entries per row (``b`` of ``[s, b, ...]``); the fused path takes 1.
+        dropout: the attention dropout probability in effect (0 outside training).
+
+    Raises:
+        ValueError: the fused path was asked for (``"cudnn"``) but cannot run this call, or would
+            run it (``"auto"``) with dropout > 0, which it does not implement.
+    """
+    setting = _SETTING[0]
+    if setting == "dense":
+        return "dense"
+    why = None
+    if not _attention_cudnn.available(query.device):
+        why = (
+            "it needs a CUDA tensor and nvidia-cudnn-frontend "
+            "(pip install 'megatron-context-parallel[attention]')"
+        )
+    elif query.dtype not in (torch.float16, torch.bfloat16):
+        why = f"cuDNN's attention takes fp16 / bf16, not {query.dtype}"
+    elif head_dim % 8 or head_dim > 128:
+        why = f"head dim {head_dim} is not a multiple of 8 up to 128"
+    elif batch != 1:
+        why = f"it takes one packed batch ([s, 1, ...]), got b = {batch}"
+    if why is not None:
+        if setting == "cudnn":
+            raise ValueError(f"fused attention cannot run this call: {why}")
+        return "dense"
+    if dropout > 0:
+        raise ValueError(
+            f"the fused attention path has no dropout (attention_dropout = {dropout}); set "
+            "config.attention_dropout = 0, or set_attention_backend('dense') to run the dense "
+            "computation (memory O(rows x sequence) per head)"
+        )
+    return "cudnn"
+
+
+class _FusedAttention(torch.autograd.Function):
+    """query ``[rows, H, d]``, compact keys ``kv`` ``[N, G, 2d]`` -> context ``[rows, H, d]``.
+
+    Backward: ``dquery`` (dummy and padding rows dropped) and ``dkv`` for every compact key,
+    per-entry copies summed in fp32. No communication.
+    """
+
+    @staticmethod
+    def forward(ctx, query, kv, runs: AttentionRuns, kernel, scale, deterministic):
+        dev = runs.on(query.device)
+        q = query.contiguous() if runs.identity else ops.gather_rows(query, dev.span_source)
+        kv = kv.contiguous()
+        want_stats = any(ctx.needs_input_grad[:2])
+        o, stats = kernel.forward(q, kv, runs, dev, scale, want_stats)
+        out = o if runs.identity else ops.gather_rows(o, dev.local_to_span)
+        ctx.runs, ctx.kernel, ctx.scale, ctx.deterministic = runs, kernel, scale, deterministic
+        if want_stats:
+            ctx.save_for_backward(q, kv, o, stats)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, o, stats = ctx.saved_tensors
+        runs = ctx.runs
+        dev = runs.on(q.device)
+        if runs.identity:
+            do = grad_out.contiguous()
+        else:
+            do = ops.gather_rows(grad_out.contiguous(), dev.span_source)
+        keys = ops.gather_rows(kv, dev.kv_source) if runs.materialize else kv
+        dq, dkeys = ctx.kernel.backward(
+            q, keys, o, do, stats, runs, dev, ctx.scale, ctx.deterministic
+        )
+        dquery = dq if runs.identity else ops.gather_rows(dq, dev.local_to_span)
+        if runs.materialize:
+            # Summed in fp32 at least: an entry's key gradient is one of several terms.
+            acc = torch.promote_types(kv.dtype, torch.float32)
+            total = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            total.index_add_(0, dev.kv_source, dkeys.to(acc))
+            dkv = total.to(kv.dtype)
+        else:
+            dkv = dkeys
+        return dquery, dkv, None, None, None, None
+
+
+def fused_attention(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    runs: AttentionRuns,
+    scale: float,
+    *,
+    kernel=None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Causal attention of the local rows over the compact keys, by the run tables.
+
+    Args:
+        query: ``[rows, H, d]``, this rank's rows in plan order (``runs.rows`` of them).
+        kv: ``[N, G, 2d]``, keys then values of every compact key (``runs.num_keys``), the same
+            dtype; ``H`` must be a multiple of ``G``.
+        runs: the batch's run tables for this rank.
+        scale: softmax scale.
+        kernel: the varlen kernel (default: cuDNN).
+        deterministic: ask the kernel for a deterministic backward.
+
+    Returns:
+        ``[rows, H, d]``; padding rows are zero. Gradients flow to ``query`` and ``kv``.
+    """
+    if query.shape[0] != runs.rows or kv.shape[0] != runs.num_keys:
+        raise ValueError(
+            f"fused attention got {query.shape[0]} query rows and {kv.shape[0]} keys, but the "
+            f"run tables are for {runs.rows} and {runs.num_keys}"
+        )
+    return _FusedAttention.apply(
+        query, kv, runs, _attention_cudnn if kernel is None else kernel, float(scale), deterministic
+    )
+
+
+def compact_keys(kv_slots: torch.Tensor, runs: AttentionRuns) -> torch.Tensor:
+    """The compact keys ``[N, ...]`` from the padded all-gather's slots (differentiable)."""
+    if runs.compact_slots is None:
+        return kv_slots
+    return ops.gather_rows(kv_slots, runs.on(kv_slots.device).compact_slots)

@@ -1,0 +1,240 @@
+"""The fused attention path's run tables on the CPU, with a dense stand-in for the kernel.
+
+``ReferenceKernel`` (tests/_attention_ref.py) computes each entry as the cuDNN kernel does, so
+these tests check everything of the fused path except cuDNN itself (tests/test_attention_cuda.py
+does that on a GPU): the decomposition into bottom-right causal entries, dummy rows, the query
+span buffer, the backward's key copies and the sum of their gradients, compact keys when some
+positions are owned by nobody, empty ranks, and the reduce-scatter of dK / dV over a CP group.
+The oracle (``oracle_attention``) is written from source positions alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _attention_ref import ReferenceKernel, oracle_attention
+from _dist import run_distributed
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron.context_parallel import ContextParallelPlan
+from megatron.context_parallel.attention_runs import AttentionRuns, _bucket
+from megatron.context_parallel.fused_attention import compact_keys, fused_attention
+from megatron.context_parallel.mappings import gather_padded_from_context_parallel_region
+
+
+def _sequence(seq_len, cu):
+    if cu is None:
+        return torch.zeros(seq_len, dtype=torch.int64)
+    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+
+def _runs(plan, rank, cu=None, **kw):
+    padding = 1 if plan.counts[rank] == 0 else 0
+    return AttentionRuns.build(plan, rank, _sequence(plan.seq_len, cu), padding_rows=padding, **kw)
+
+
+def _slots(full, plan):
+    """The padded all-gather buffer of ``full`` [S, ...] built from the plan's positions."""
+    out = full.new_zeros((plan.cp_size * plan.max_count,) + tuple(full.shape[1:]))
+    for r in range(plan.cp_size):
+        pos = plan.local_positions(r)
+        out[r * plan.max_count : r * plan.max_count + pos.numel()] = full[pos]
+    return out
+
+
+def _check_rank(plan, rank, cu, heads, groups, dim, seed, merge_gap=64):
+    g = torch.Generator().manual_seed(seed)
+    seq_len = plan.seq_len
+    q_full = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
+    kv_full = torch.randn(seq_len, groups, 2 * dim, generator=g, dtype=torch.float64)
+    weight = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
+    runs = _runs(plan, rank, cu, merge_gap=merge_gap)
+    pos = plan.local_positions(rank)
+    sequence = _sequence(seq_len, cu)
+    owned = plan.owned_mask()
+    scale = dim**-0.5
+
+    query = q_full[pos].clone()
+    if runs.rows > pos.numel():
+        query = torch.cat([query, torch.randn(1, heads, dim, generator=g, dtype=query.dtype)])
+    query.requires_grad_()
+    kv_slots = _slots(kv_full, plan).requires_grad_()
+    out = fused_attention(query, compact_keys(kv_slots, runs), runs, scale, kernel=ReferenceKernel)
+    w = weight[pos]
+    if runs.rows > pos.numel():
+        w = torch.cat([w, torch.ones(1, heads, dim, dtype=w.dtype)])
+    (out * w).sum().backward()
+
+    q_ref = q_full[pos].clone().requires_grad_()
+    kv_ref = kv_full.clone().requires_grad_()
+    expected = oracle_attention(
+        q_ref, kv_ref[..., :dim], kv_ref[..., dim:], pos, sequence, owned, scale
+    )
+    (expected * weight[pos]).sum().backward()
+
+    n = pos.numel()
+    torch.testing.assert_close(out[:n], expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(query.grad[:n], q_ref.grad, rtol=1e-10, atol=1e-10)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))  # an empty rank's padding row
+    assert torch.equal(query.grad[n:], torch.zeros_like(query.grad[n:]))
+    torch.testing.assert_close(kv_slots.grad, _slots(kv_ref.grad, plan), rtol=1e-10, atol=1e-10)
+    return runs
+
+
+def _random_plan(draw_ints, seq_len, cp, unowned, cu):
+    """Every position to a random rank (or to nobody with probability ``unowned``), each rank's
+    rows in a random order."""
+    owner = draw_ints(seq_len)
+    ranks = []
+    for r in range(cp):
+        pos = torch.nonzero(owner == r).flatten()
+        ranks.append(pos[torch.randperm(pos.numel())])
+    if unowned == 0 and all(p.numel() == 0 for p in ranks):
+        ranks[0] = torch.arange(seq_len)
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len, cu)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(1, 48),
+    packed=st.booleans(),
+    unowned=st.sampled_from([0.0, 0.2]),
+    gqa=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
+    merge_gap=st.sampled_from([1, 3, 64]),
+)
+def test_random_plans_match_the_oracle(seed, cp, seq_len, packed, unowned, gqa, merge_gap):
+    torch.manual_seed(seed)
+    cu = None
+    if packed:
+        cuts = sorted(torch.randint(0, seq_len + 1, (3,)).tolist())
+        cu = tuple([0] + cuts + [seq_len])
+    probs = torch.tensor([(1 - unowned) / cp] * cp + [unowned])
+    plan = _random_plan(
+        lambda n: torch.multinomial(probs, n, replacement=True) if n else torch.zeros(0).long(),
+        seq_len,
+        cp,
+        unowned,
+        cu,
+    )
+    for rank in range(cp):
+        _check_rank(plan, rank, cu, gqa[0], gqa[1], 4, seed + rank, merge_gap)
+
+
+@pytest.mark.parametrize(
+    "plan_kind", ["zigzag", "contiguous", "thd", "uneven", "single_rows", "empty_rank"]
+)
+def test_named_plans_match_the_oracle(plan_kind):
+    cu = None
+    if plan_kind == "zigzag":
+        plan = ContextParallelPlan.zigzag(32, 2)
+    elif plan_kind == "contiguous":
+        plan = ContextParallelPlan.contiguous(30, 4)
+    elif plan_kind == "thd":
+        cu = (0, 8, 8, 24, 40)
+        plan = ContextParallelPlan.thd(torch.tensor(cu), 2)
+    elif plan_kind == "uneven":
+        plan = ContextParallelPlan.from_rank_positions(
+            [list(range(0, 9)) + list(range(20, 27)) + [33], list(range(9, 20)) + [27, 28]],
+            34,
+        )
+    elif plan_kind == "single_rows":
+        plan = ContextParallelPlan.from_rank_positions([list(range(0, 40, 2)), [1, 3, 7]], 40)
+    else:
+        plan = ContextParallelPlan.from_rank_positions([list(range(12)), []], 12)
+    for rank in range(plan.cp_size):
+        _check_rank(plan, rank, cu, 4, 2, 8, rank)
+
+
+def test_tables_of_the_report_layouts():
+    zig = _runs(ContextParallelPlan.zigzag(512, 2), 0)
+    assert zig.identity and zig.entries == 2 and zig.materialize
+    assert zig.q_len.tolist() == [128, 128] and zig.kv_len.tolist() == [128, 512]
+    assert zig.mat_rows == 640 and zig.compact_slots is not None
+    # Closer than the merge gap, the two runs become one span (the middle as dummies).
+    small = _runs(ContextParallelPlan.zigzag(64, 2), 0)
+    assert not small.identity and small.entries == 1 and small.query_rows == 64
+
+    last = _runs(ContextParallelPlan.contiguous(40, 4), 3)
+    assert last.identity and last.entries == 1 and not last.materialize and last.keys_covered
+    first = _runs(ContextParallelPlan.contiguous(40, 4), 0)
+    assert not first.keys_covered  # keys 10..39 are attended by other ranks only
+    assert ContextParallelPlan.contiguous(40, 4).slots_in_source_order
+    assert first.compact_slots is None
+
+    cu = (0, 256, 768, 1280)
+    thd = _runs(ContextParallelPlan.thd(torch.tensor(cu), 2), 0, cu)
+    assert thd.identity and thd.entries == 6 and thd.materialize
+    # Rank 1 holds the two middle chunks of each sequence: one run each, keys not copied.
+    middle = _runs(ContextParallelPlan.thd(torch.tensor(cu), 2), 1, cu)
+    assert middle.identity and middle.entries == 3 and not middle.materialize
+
+    # Alternating single positions: one span of dummies rather than 32 one-row entries.
+    halves = ContextParallelPlan.from_rank_positions(
+        [list(range(0, 64, 2)), list(range(1, 64, 2))], 64
+    )
+    half = _runs(halves, 0)
+    assert not half.identity and half.entries == 1 and half.query_rows == 63
+    singles = _runs(halves, 0, merge_gap=1)
+    assert singles.entries == 32 and singles.identity and singles.materialize
+    # Positions nobody owns have no keys: the even rows alone are one run of compact keys.
+    alone = _runs(ContextParallelPlan.from_rank_positions([list(range(0, 64, 2))], 64), 0)
+    assert alone.identity and alone.entries == 1 and alone.num_keys == 32
+
+    # Permuted rows of one rank: runs by position, gathered into a span buffer.
+    perm = _runs(ContextParallelPlan.from_rank_positions([torch.randperm(50)], 50), 0)
+    assert not perm.identity and perm.entries == 1 and perm.query_rows == 50
+
+    empty = _runs(ContextParallelPlan.from_rank_positions([list(range(5)), []], 5), 1)
+    assert empty.entries == 0 and empty.rows == 1 and empty.identity
+
+
+def test_buckets_bound_the_number_of_kernel_shapes():
+    assert [_bucket(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
+    sizes = {_bucket(n, per_octave=8) for n in range(1000, 2001)}
+    assert len(sizes) <= 9 and all(s >= 1000 for s in sizes)
+    assert all(_bucket(n, 8) < 1.13 * n for n in range(64, 5000))
+
+
+def _w_gathered(rank, world, seed):
+    """CP ``world``: the padded all-gather, compact keys, fused path and reduce-scatter against
+    the oracle summed over every rank's queries."""
+    torch.manual_seed(seed)
+    seq_len, heads, groups, dim = 37, 4, 2, 8
+    owner = torch.randint(0, world, (seq_len,), generator=torch.Generator().manual_seed(seed))
+    plan = ContextParallelPlan.from_rank_positions(
+        [torch.nonzero(owner == r).flatten().flip(0) for r in range(world)], seq_len
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    q_full = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
+    kv_full = torch.randn(seq_len, groups, 2 * dim, generator=g, dtype=torch.float64)
+    weight = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
+    runs = _runs(plan, rank)
+    pos = plan.local_positions(rank)
+    query = q_full[pos].clone().requires_grad_()
+    kv_local = kv_full[pos].clone().requires_grad_()
+    group = torch.distributed.group.WORLD
+    slots = gather_padded_from_context_parallel_region(kv_local, plan.max_count, group)
+    out = fused_attention(query, compact_keys(slots, runs), runs, dim**-0.5, kernel=ReferenceKernel)
+    (out * weight[pos]).sum().backward()
+
+    q_ref = q_full.clone().requires_grad_()
+    kv_ref = kv_full.clone().requires_grad_()
+    owned = plan.owned_mask()
+    everyone = torch.arange(seq_len)
+    sequence = torch.zeros(seq_len, dtype=torch.int64)
+    expected = oracle_attention(
+        q_ref, kv_ref[..., :dim], kv_ref[..., dim:], everyone, sequence, owned, dim**-0.5
+    )
+    (expected * weight).sum().backward()
+    torch.testing.assert_close(out, expected[pos], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(query.grad, q_ref.grad[pos], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kv_local.grad, kv_ref.grad[pos], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_over_a_cp_group_matches_the_oracle(world):
+    run_distributed(_w_gathered, world, 5)
