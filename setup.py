@@ -134,6 +134,9 @@ setup(
     packages=find_namespace_packages(include=["megatron.context_parallel*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "megatron-core>=0.19.2", "numpy"],
+    # The fused attention on GPUs (cuDNN's varlen attention through its Python frontend);
+    # without it ContextParallelAttention runs the dense computation. CPU installs need none.
+    extras_require={"attention": ["nvidia-cudnn-frontend==1.32.0"]},
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
     zip_safe=False,

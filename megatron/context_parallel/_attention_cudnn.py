@@ -241,6 +241,9 @@ def forward(
     """
     tq, heads, dim = q.shape
     groups = kv.shape[1]
+    if not runs.entries:  # a rank that owns nothing: its padding row attends to nothing
+        zeros = torch.zeros((tq, heads), dtype=torch.float32, device=q.device)
+        return torch.zeros_like(q), (zeros if want_stats else None)
     key = ("fwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
            want_stats, q.device)  # fmt: skip
     handle = _handle(q.device)
@@ -270,10 +273,7 @@ def forward(
     for uid, t in offsets:
         buffers.append(t)
         uids.append(uid)
-    if runs.entries:
-        g.execute(buffers, _workspace(ws, q.device), handle=handle, tensor_uids=uids)
-    elif stats is not None:
-        stats.zero_()
+    g.execute(buffers, _workspace(ws, q.device), handle=handle, tensor_uids=uids)
     return o, stats
 
 
@@ -292,6 +292,8 @@ def backward(
     backward key buffer ``kv`` (entries must not overlap in it). All inputs contiguous."""
     tq, heads, dim = q.shape
     groups = kv.shape[1]
+    if not runs.entries:
+        return torch.zeros_like(q), torch.zeros_like(kv)
     key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, runs.total_q, runs.total_mat,
            heads, groups, dim, scale, deterministic, q.device)  # fmt: skip
     handle = _handle(q.device)
@@ -305,8 +307,6 @@ def backward(
     )
     covered = runs.materialize or runs.keys_covered
     dkv = (torch.empty if covered else torch.zeros)(kv.shape, dtype=kv.dtype, device=kv.device)
-    if not runs.entries:
-        return dq.zero_(), dkv.zero_()
     kv_tok = groups * 2 * dim
     q_off = dev.offsets("q_rows", heads * dim)
     kv_off = dev.offsets("mat_rows", kv_tok)

@@ -261,8 +261,9 @@ class AttentionRuns:
             batch=_bucket(entries),
             max_q=_bucket(int(q_len.max()) if entries else 1),
             max_kv=_bucket(int(kv_len.max()) if entries else 1),
-            total_q=_bucket(query_rows, per_octave=8),
-            total_mat=_bucket(mat_rows, per_octave=8),
+            # cuDNN sizes its dQ accumulator by these totals in multiples of 64 rows.
+            total_q=-(-_bucket(query_rows, per_octave=8) // 64) * 64,
+            total_mat=-(-_bucket(mat_rows, per_octave=8) // 64) * 64,
         )
 
     def on(self, device: torch.device) -> DeviceRuns:
@@ -272,10 +273,7 @@ class AttentionRuns:
         if cached is not None:
             return cached
         pad = self.batch - self.entries
-
-        def lengths(values: torch.Tensor) -> torch.Tensor:
-            full = torch.cat([values, values.new_zeros(pad)]).to(torch.int32)
-            return full.reshape(-1, 1, 1, 1)
+        empty = torch.zeros(0, dtype=torch.int64)
 
         def starts(values: torch.Tensor, total: int) -> torch.Tensor:
             # Padding entries (and the closing offset) point past the last row.
@@ -287,25 +285,25 @@ class AttentionRuns:
             valid = slot[None, :] < self.q_len[:, None]
             rows = self.q_start[:, None] + slot[None, :]
             stats_index[: self.entries] = torch.where(valid, rows, -1)
-        host = DeviceRuns(
-            seq_len_q=lengths(self.q_len),
-            seq_len_kv=lengths(self.kv_len),
-            q_rows=starts(self.q_start, self.query_rows),
-            kv_rows=starts(self.k_start, self.num_keys),
-            mat_rows=starts(self.mat_start, self.mat_rows),
-            span_source=self.span_source,
-            local_to_span=self.local_to_span,
-            kv_source=self.kv_source,
-            compact_slots=self.compact_slots,
-            stats_index=stats_index.flatten(),
-        )
-        moved = DeviceRuns(
-            **{
-                name: (None if value is None else value.to(device, non_blocking=True))
-                for name, value in vars(host).items()
-                if not name.startswith("_")
-            }
-        )
+        host = {
+            "seq_len_q": torch.cat([self.q_len, self.q_len.new_zeros(pad)]),
+            "seq_len_kv": torch.cat([self.kv_len, self.kv_len.new_zeros(pad)]),
+            "q_rows": starts(self.q_start, self.query_rows),
+            "kv_rows": starts(self.k_start, self.num_keys),
+            "mat_rows": starts(self.mat_start, self.mat_rows),
+            "span_source": self.span_source,
+            "local_to_span": self.local_to_span,
+            "kv_source": self.kv_source,
+            "compact_slots": self.compact_slots,
+            "stats_index": stats_index.flatten(),
+        }
+        # One host-to-device copy for every table (each copy from pageable memory waits).
+        names = [name for name, value in host.items() if value is not None]
+        packed = torch.cat([host[name] for name in names] or [empty]).to(device)
+        parts = dict(zip(names, packed.split([host[name].numel() for name in names])))
+        for name in ("seq_len_q", "seq_len_kv"):
+            parts[name] = parts[name].to(torch.int32).reshape(-1, 1, 1, 1)
+        moved = DeviceRuns(**{name: parts.get(name) for name in host})
         self._device[device] = moved
         return moved
 

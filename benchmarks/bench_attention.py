@@ -1,0 +1,495 @@
+"""Attention of one CP rank's rows under any plan: the fused path against the cuDNN floor.
+
+For each case (one rank's rows of a plan, all keys of the batch; bf16, 40 query heads, 8 KV
+groups, head dim 128), side by side in one run:
+
+* ``floor``: torch's SDPA with the cuDNN backend, causal over the whole sequence (each packed
+  sequence for THD), times the rank's share of the causal work (for THD, summed over
+  sequences): what a rank would pay if its rows cost exactly their share of the best kernel;
+* ``ours``: ``fused_attention`` (run tables + cuDNN), including the compact-key gather that
+  follows the CP all-gather; forward, and forward+backward;
+* ``dense`` (S = 20,436 only, forward): today's dense computation (``[heads, rows, S]`` fp32
+  scores), where it fits;
+* ``flex``: FlexAttention (torch's Triton backend, default blocks) with a block mask built from
+  the plan (rows sorted by position, keys in compact order), compiled once per case.
+
+Reported: median ms (CUDA events, methods timed in turns), ratio to the floor, extra peak memory
+(``max_memory_allocated`` during the call minus what was allocated before it, minus the output
+and, for forward+backward, the gradients of Q and K/V), the max error against the dense fp32
+computation on a slice of rows, the run tables' build time (host, per batch) against one
+layer's forward+backward, and cuDNN graph builds over 20 batches of random plans.
+
+``--model`` adds the GPTModel row: 4 layers shaped like a 27B dense model (hidden 5,120, 40/8
+heads, FFN 17,408), S = 20,436, the uneven plan's rank-0 rows run at CP 1 (a world-1 group,
+rows permuted), forward+backward time and the share of attention in it (megatron-core needed).
+
+Usage: python benchmarks/bench_attention.py [--sizes 20436,131072] [--reps 5] [--no-flex]
+                                            [--model] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT))
+
+from megatron.context_parallel import ContextParallelPlan, _attention_cudnn  # noqa: E402
+from megatron.context_parallel.attention_runs import AttentionRuns  # noqa: E402
+from megatron.context_parallel.fused_attention import compact_keys, fused_attention  # noqa: E402
+
+HEADS, GROUPS, DIM = 40, 8, 128
+GiB = float(1 << 30)
+THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
+
+
+# --- cases -----------------------------------------------------------------------------------
+
+
+def _uneven(seq_len):
+    """The report's shape: rank 0 holds three runs, 42% of the positions (8,659 of 20,436)."""
+    cuts = [0, int(0.0979 * seq_len), int(0.2936 * seq_len), int(0.4404 * seq_len)]
+    cuts += [int(0.8210 * seq_len), seq_len]
+    ranks = [[], []]
+    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        ranks[i % 2].append(torch.arange(a, b))
+    return ContextParallelPlan.from_rank_positions([torch.cat(r) for r in ranks], seq_len)
+
+
+def _random_share(seq_len, cp, seed=0):
+    owner = torch.randint(0, cp, (seq_len,), generator=torch.Generator().manual_seed(seed))
+    ranks = [torch.nonzero(owner == r).flatten() for r in range(cp)]
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len)
+
+
+def _thd(scale, cp):
+    lengths = [max(8 * cp, int(n * scale) // (2 * cp) * (2 * cp)) for n in THD_LENGTHS]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return ContextParallelPlan.thd(torch.tensor(cu), cp), tuple(cu)
+
+
+def cases(seq_len):
+    """(name, plan, rank, cu_seqlens) of the benchmark at ``seq_len``."""
+    if seq_len <= 32768:
+        thd, cu = _thd(seq_len / 20436, 2)
+        return [
+            ("zigzag CP2 r0", ContextParallelPlan.zigzag(seq_len, 2), 0, None),
+            ("contiguous CP4 r3", ContextParallelPlan.contiguous(seq_len, 4), 3, None),
+            ("uneven 3 runs CP2 r0", _uneven(seq_len), 0, None),
+            ("THD 8 seqs CP2 r0", thd, 0, cu),
+            ("random half CP2 r0", _random_share(seq_len, 2), 0, None),
+        ]
+    thd, cu = _thd(seq_len / 20436, 4)
+    return [
+        ("zigzag CP4 r0", ContextParallelPlan.zigzag(seq_len, 4), 0, None),
+        ("zigzag CP8 r0", ContextParallelPlan.zigzag(seq_len, 8), 0, None),
+        ("contiguous CP8 r7", ContextParallelPlan.contiguous(seq_len, 8), 7, None),
+        ("uneven 3 runs r0", _uneven(seq_len), 0, None),
+        ("THD 8 seqs CP4 r0", thd, 0, cu),
+        ("random quarter CP4 r0", _random_share(seq_len, 4), 0, None),
+    ]
+
+
+def _sequence(seq_len, cu):
+    if cu is None:
+        return torch.zeros(seq_len, dtype=torch.int64)
+    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+
+def causal_share(plan, rank, cu):
+    """Per sequence ``(length, share)``: the rank's part of that sequence's causal work."""
+    cuts = cu if cu is not None else (0, plan.seq_len)
+    pos = plan.local_positions(rank)
+    out = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        mine = pos[(pos >= a) & (pos < b)] - a + 1
+        total = (b - a) * (b - a + 1) / 2
+        out.append((b - a, float(mine.sum()) / total if total else 0.0))
+    return out
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+
+def _ms(fn, reps=1):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def in_turns(fns, reps, warmup=1, seed=0):
+    """Median ms of each function, every round running each once in a new order."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(seed)
+    for _ in range(reps):
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(_ms(fns[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def extra_peak(fn, kept_bytes):
+    """GiB allocated at the peak of ``fn()`` beyond what existed before and ``kept_bytes``."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return (peak - before - kept_bytes) / GiB
+
+
+# --- the methods -----------------------------------------------------------------------------
+
+
+def _sdpa_times(n, reps, device):
+    """(fwd ms, fwd+bwd ms) of cuDNN causal SDPA over one sequence of ``n`` tokens."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device=device).manual_seed(n)
+    q = torch.randn(1, HEADS, n, DIM, device=device, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, GROUPS, n, DIM, device=device, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, GROUPS, n, DIM, device=device, generator=g, dtype=torch.bfloat16)
+    for t in (q, k, v):
+        t.requires_grad_()
+    do = torch.randn_like(q)
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            )
+
+    def both():
+        torch.autograd.backward(fwd(), do)
+        q.grad = k.grad = v.grad = None
+
+    t = in_turns({"fwd": fwd, "both": both}, reps)
+    return t["fwd"], t["both"]
+
+
+def sdpa_floor(lengths, reps, device):
+    """{length: (fwd ms, fwd+bwd ms)} of cuDNN causal SDPA over one sequence of each length."""
+    return {n: _sdpa_times(n, reps, device) for n in sorted(set(lengths))}
+
+
+class Case:
+    """Inputs of one rank's rows: query [n, H, d], K/V slots [cp * max_count, G, 2d]."""
+
+    def __init__(self, plan, rank, cu, device):
+        self.plan, self.rank, self.cu = plan, rank, cu
+        g = torch.Generator(device=device).manual_seed(plan.seq_len + rank)
+        n = plan.counts[rank]
+        self.positions = plan.local_positions(rank).to(device)
+        self.query = torch.randn(n, HEADS, DIM, device=device, generator=g).bfloat16()
+        kv_full = torch.randn(plan.seq_len, GROUPS, 2 * DIM, device=device, generator=g)
+        kv_full = kv_full.bfloat16()
+        slots = plan.slot_positions(device)
+        self.kv_full = kv_full
+        self.kv_slots = kv_full[slots.clamp(min=0)] * (slots >= 0)[:, None, None]
+        self.grad = torch.randn(n, HEADS, DIM, device=device, generator=g).bfloat16()
+        self.sequence = _sequence(plan.seq_len, cu)
+        # Timed on a warm process (the first build of a process pays torch's warm-up), as a
+        # training loop builds them: once per micro-batch, before its first layer.
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            self.runs = AttentionRuns.build(plan, rank, self.sequence)
+            self.runs.on(device)
+            torch.cuda.synchronize()
+            self.build_ms = (time.perf_counter() - t0) * 1e3
+
+    def ours(self, backward):
+        q = self.query.detach().requires_grad_(backward)
+        kv = self.kv_slots.detach().requires_grad_(backward)
+        out = fused_attention(q, compact_keys(kv, self.runs), self.runs, DIM**-0.5)
+        if backward:
+            out.backward(self.grad)
+            return out, q.grad, kv.grad
+        return out
+
+    def dense_rows(self, rows):
+        """fp32 dense attention (today's path) of local rows ``rows`` (a slice)."""
+        pos = self.positions[rows]
+        q = self.query[rows].float()
+        k = self.kv_full[..., :DIM].float().repeat_interleave(HEADS // GROUPS, dim=1)
+        v = self.kv_full[..., DIM:].float().repeat_interleave(HEADS // GROUPS, dim=1)
+        seq = self.sequence.to(q.device)
+        keys = torch.arange(self.plan.seq_len, device=q.device)
+        allowed = (seq[None, :] == seq[pos][:, None]) & (keys[None, :] <= pos[:, None])
+        scores = torch.einsum("nhd,shd->hns", q, k) * DIM**-0.5
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        return torch.einsum("hns,shd->nhd", torch.softmax(scores, dim=-1), v)
+
+    def dense_forward(self):
+        """Today's dense path: fp32 scores of every local row against every slot."""
+        n = self.query.shape[0]
+        slots = self.plan.slot_positions(self.query.device)
+        seq = self.sequence.to(self.query.device)
+        allowed = (slots[None, :] >= 0) & (slots[None, :] <= self.positions[:, None])
+        allowed &= seq[slots.clamp(min=0)][None, :] == seq[self.positions][:, None]
+        k = self.kv_slots[..., :DIM].repeat_interleave(HEADS // GROUPS, dim=1)
+        v = self.kv_slots[..., DIM:].repeat_interleave(HEADS // GROUPS, dim=1)
+        scores = torch.einsum("nhd,shd->hns", self.query, k).float() * DIM**-0.5
+        scores = scores.masked_fill(~allowed[None], torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1).bfloat16()
+        return torch.einsum("hns,shd->nhd", probs, v).reshape(n, HEADS * DIM)
+
+    def flex(self):
+        """(fwd, fwd+bwd) callables of FlexAttention with a block mask from the plan."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        device = self.query.device
+        order = torch.argsort(self.positions)
+        pos = self.positions[order]
+        seq = self.sequence.to(device)
+        q = self.query[order].transpose(0, 1)[None].contiguous()  # [1, H, n, d]
+        kv = self.kv_full.transpose(0, 1)[None]
+        k, v = kv[..., :DIM].contiguous(), kv[..., DIM:].contiguous()
+        q_pos, q_seq = pos, seq[pos]
+
+        def mask(b, h, qi, ki):
+            return (seq[ki] == q_seq[qi]) & (ki <= q_pos[qi])
+
+        block = create_block_mask(mask, None, None, q.shape[2], k.shape[2], device=device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        do = torch.randn_like(q)
+
+        def fwd(qq=q, kk=k, vv=v):
+            return compiled(qq, kk, vv, block_mask=block, enable_gqa=True)
+
+        def both():
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            fwd(qq, kk, vv).backward(do)
+
+        return fwd, both
+
+
+def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense):
+    case = Case(plan, rank, cu, device)
+    shares = causal_share(plan, rank, cu)
+    floor_f = sum(floor[n][0] * s for n, s in shares)
+    floor_b = sum(floor[n][1] * s for n, s in shares)
+    fns = {"ours fwd": lambda: case.ours(False), "ours fwd+bwd": lambda: case.ours(True)}
+    if with_flex:
+        try:
+            flex_f, flex_b = case.flex()
+            fns["flex fwd"], fns["flex fwd+bwd"] = flex_f, flex_b
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"  flex skipped: {type(exc).__name__}: {str(exc)[:200]}")
+    t = in_turns(fns, reps)
+    n = case.query.shape[0]
+    row_bytes = HEADS * DIM * 2
+    kept_f = n * row_bytes
+    kept_b = 2 * n * row_bytes + case.kv_slots.numel() * 2
+    mem_f = extra_peak(lambda: case.ours(False), kept_f)
+    mem_b = extra_peak(lambda: case.ours(True), kept_b)
+    rows = slice(max(0, n - 256), n)
+    with torch.no_grad():
+        got = case.ours(False)[rows].float()
+    err = (got - case.dense_rows(rows)).abs().max().item()
+    row = {
+        "case": name,
+        "S": plan.seq_len,
+        "rows": n,
+        "tables": case.runs.describe(),
+        "floor fwd ms": floor_f,
+        "floor fwd+bwd ms": floor_b,
+        "ours fwd ms": t["ours fwd"],
+        "ours fwd+bwd ms": t["ours fwd+bwd"],
+        "ours fwd x": t["ours fwd"] / floor_f,
+        "ours fwd+bwd x": t["ours fwd+bwd"] / floor_b,
+        "extra GiB fwd": mem_f,
+        "extra GiB fwd+bwd": mem_b,
+        "max err vs fp32": err,
+        "tables ms": case.build_ms,
+        "tables / layer fwd+bwd": case.build_ms / t["ours fwd+bwd"],
+    }
+    if "flex fwd" in t:
+        row["flex fwd x"] = t["flex fwd"] / floor_f
+        row["flex fwd+bwd x"] = t["flex fwd+bwd"] / floor_b
+    if with_dense:
+        try:
+            row["dense fwd x"] = _ms(case.dense_forward) / floor_f
+            row["dense extra GiB"] = extra_peak(case.dense_forward, kept_f)
+        except torch.OutOfMemoryError:
+            row["dense fwd x"] = "OOM"
+        torch.cuda.empty_cache()
+    return row
+
+
+def graph_builds_over_random_plans(seq_len, device, batches=20, seed=1):
+    """cuDNN graph builds and the worst table-build ms over ``batches`` random uneven plans."""
+    rng = random.Random(seed)
+    before = _attention_cudnn.graph_builds()
+    worst = 0.0
+    start = time.perf_counter()
+    for _ in range(batches):
+        cuts = sorted(rng.sample(range(1, seq_len), rng.randint(2, 7)))
+        bounds = [0] + cuts + [seq_len]
+        ranks = [[], []]
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            ranks[(i + rng.randint(0, 1)) % 2].append(torch.arange(a, b))
+        ranks = [torch.cat(r) if r else torch.zeros(0, dtype=torch.int64) for r in ranks]
+        plan = ContextParallelPlan.from_rank_positions(ranks, seq_len)
+        rank = 0 if plan.counts[0] else 1
+        case = Case(plan, rank, None, device)
+        worst = max(worst, case.build_ms)
+        case.ours(True)
+    torch.cuda.synchronize()
+    return {
+        "batches": batches,
+        "graph builds": _attention_cudnn.graph_builds() - before,
+        "worst tables ms": worst,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def model_row(device, reps):
+    """4 layers of a 27B-shaped dense GPTModel at CP 1 on the uneven plan's rank-0 rows."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.context_parallel import get_gpt_layer_with_context_parallel_spec
+    from megatron.context_parallel.model import context_parallel_forward
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    mrandom.model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=5120,
+        ffn_hidden_size=17408,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        kv_channels=DIM,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+    )
+    model = GPTModel(
+        config,
+        get_gpt_layer_with_context_parallel_spec(normalization="RMSNorm"),
+        vocab_size=151936,
+        max_sequence_length=32768,
+        position_embedding_type="rope",
+    ).to(device)
+    seq_len = 20436
+    full = _uneven(seq_len)
+    rows = full.local_positions(0)
+    rows = rows[torch.randperm(rows.numel(), generator=torch.Generator().manual_seed(0))]
+    plan = ContextParallelPlan.from_rank_positions([rows], seq_len)
+    ids = torch.randint(0, 151936, (seq_len,), device=device)
+    labels = torch.randint(0, 151936, (seq_len,), device=device)
+
+    def step():
+        out = context_parallel_forward(
+            model, ids, labels, plan=plan, fields="target_logprobs", cp_group=None
+        )
+        out.target_logprobs.sum().backward()
+
+    model_ms = in_turns({"model": step}, reps)["model"]
+    case = Case(plan, 0, None, device)
+    attn_ms = in_turns({"attn": lambda: case.ours(True)}, reps)["attn"]
+    return {
+        "model fwd+bwd ms": model_ms,
+        "attention fwd+bwd ms (one layer)": attn_ms,
+        "attention share": 4 * attn_ms / model_ms,
+        "rows": int(rows.numel()),
+    }
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="20436,131072")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--flex-long", action="store_true", help="FlexAttention at S > 32k too")
+    parser.add_argument("--model", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    results = {"rows": [], "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for seq_len in (int(s) for s in args.sizes.split(",")):
+        plans = cases(seq_len)
+        lengths = [n for _, p, r, cu in plans for n, _ in causal_share(p, r, cu)]
+        floor = sdpa_floor(lengths, args.reps, device)
+        results[f"floor {seq_len}"] = {str(k): v for k, v in floor.items()}
+        for name, plan, rank, cu in plans:
+            long = seq_len > 32768
+            row = bench_case(
+                name,
+                plan,
+                rank,
+                cu,
+                floor,
+                args.reps if not long else max(2, args.reps // 2),
+                device,
+                with_flex=not args.no_flex and (not long or args.flex_long),
+                with_dense=not long,
+            )
+            results["rows"].append(row)
+            print(json.dumps({k: _fmt(v) for k, v in row.items()}), flush=True)
+    results["graph builds"] = graph_builds_over_random_plans(20436, device)
+    print(json.dumps(results["graph builds"]), flush=True)
+    if args.model:
+        results["model"] = model_row(device, max(2, args.reps // 2))
+        print(json.dumps(results["model"]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    cols = ["case", "S", "rows", "ours fwd x", "ours fwd+bwd x", "flex fwd x", "flex fwd+bwd x"]
+    cols += ["dense fwd x", "extra GiB fwd+bwd", "max err vs fp32", "tables / layer fwd+bwd"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in results["rows"]:
+        lines.append("| " + " | ".join(_fmt(row.get(c, "-")) for c in cols) + " |")
+    table = "\n".join(lines)
+    with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
