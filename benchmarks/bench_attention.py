@@ -49,6 +49,13 @@ from megatron.context_parallel.fused_attention import compact_keys, fused_attent
 
 HEADS, GROUPS, DIM = 40, 8, 128
 GiB = float(1 << 30)
+# (label, AttentionRuns.build keywords, shared keys in the backward) for --variants.
+VARIANTS = (
+    ("fine", {"shape_buckets": 16}, False),
+    ("longest", {"longest_first": True}, False),
+    ("fine+longest", {"shape_buckets": 16, "longest_first": True}, False),
+    ("shared", {}, True),
+)
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 
 
@@ -198,7 +205,7 @@ def sdpa_floor(lengths, reps, device):
 class Case:
     """Inputs of one rank's rows: query [n, H, d], K/V slots [cp * max_count, G, 2d]."""
 
-    def __init__(self, plan, rank, cu, device):
+    def __init__(self, plan, rank, cu, device, **build):
         self.plan, self.rank, self.cu = plan, rank, cu
         g = torch.Generator(device=device).manual_seed(plan.seq_len + rank)
         n = plan.counts[rank]
@@ -216,12 +223,13 @@ class Case:
         for _ in range(2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            self.runs = AttentionRuns.build(plan, rank, self.sequence)
+            self.runs = AttentionRuns.build(plan, rank, self.sequence, **build)
             self.runs.on(device)
             torch.cuda.synchronize()
             self.build_ms = (time.perf_counter() - t0) * 1e3
 
-    def ours(self, backward):
+    def ours(self, backward, shared=False):
+        _attention_cudnn.shared_keys_in_backward = shared
         q = self.query.detach().requires_grad_(backward)
         kv = self.kv_slots.detach().requires_grad_(backward)
         out = fused_attention(q, compact_keys(kv, self.runs), self.runs, DIM**-0.5)
@@ -287,7 +295,7 @@ class Case:
         return fwd, both
 
 
-def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense):
+def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense, variants=()):
     case = Case(plan, rank, cu, device)
     shares = causal_share(plan, rank, cu)
     floor_f = sum(floor[n][0] * s for n, s in shares)
@@ -299,6 +307,10 @@ def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense)
             fns["flex fwd"], fns["flex fwd+bwd"] = flex_f, flex_b
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"  flex skipped: {type(exc).__name__}: {str(exc)[:200]}")
+    for label, build, shared in variants:
+        other = Case(plan, rank, cu, device, **build)
+        fns[f"{label} fwd"] = lambda c=other, sh=shared: c.ours(False, sh)
+        fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared: c.ours(True, sh)
     t = in_turns(fns, reps)
     n = case.query.shape[0]
     row_bytes = HEADS * DIM * 2
@@ -327,6 +339,9 @@ def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense)
         "tables ms": case.build_ms,
         "tables / layer fwd+bwd": case.build_ms / t["ours fwd+bwd"],
     }
+    for label, _, _ in variants:
+        row[f"{label} fwd x"] = t[f"{label} fwd"] / floor_f
+        row[f"{label} fwd+bwd x"] = t[f"{label} fwd+bwd"] / floor_b
     if "flex fwd" in t:
         row["flex fwd x"] = t["flex fwd"] / floor_f
         row["flex fwd+bwd x"] = t["flex fwd+bwd"] / floor_b
@@ -448,6 +463,11 @@ def main():
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--flex-long", action="store_true", help="FlexAttention at S > 32k too")
     parser.add_argument("--model", action="store_true")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="also time other table settings: exact shapes, longest entries first, shared keys",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -469,6 +489,7 @@ def main():
                 device,
                 with_flex=not args.no_flex and (not long or args.flex_long),
                 with_dense=not long,
+                variants=VARIANTS if args.variants else (),
             )
             results["rows"].append(row)
             print(json.dumps({k: _fmt(v) for k, v in row.items()}), flush=True)

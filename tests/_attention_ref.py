@@ -21,8 +21,8 @@ def _entry(q, k, v, scale):
     k = k.repeat_interleave(heads // groups, dim=1)
     v = v.repeat_interleave(heads // groups, dim=1)
     scores = torch.einsum("nhd,mhd->hnm", q.double(), k.double()) * scale
-    rows = torch.arange(n)[:, None]
-    cols = torch.arange(m)[None, :]
+    rows = torch.arange(n, device=q.device)[:, None]
+    cols = torch.arange(m, device=q.device)[None, :]
     scores = scores.masked_fill(cols > rows + (m - n), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, n]
     out = torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), v.double())
@@ -33,6 +33,8 @@ class ReferenceKernel:
     """The fused kernel's contract in plain torch (float64 math, any device)."""
 
     calls = 0
+    # Read each entry's keys where the forward did (tests switch it on to check that path).
+    shared_keys_in_backward = False
 
     @staticmethod
     def available(device) -> bool:
@@ -58,18 +60,26 @@ class ReferenceKernel:
         d = q.shape[-1]
         dq = torch.zeros_like(q)
         # Rows no entry writes stay zero, as the cuDNN kernel's zero-initialised buffers do.
-        dkv = torch.zeros_like(kv)
+        dkv = kv.new_zeros((runs.mat_rows,) + tuple(kv.shape[1:]))
+        shared = kv.shape[0] != runs.mat_rows
         for e in range(runs.entries):
             qs, ql = int(runs.q_start[e]), int(runs.q_len[e])
             ms, kl = int(runs.mat_start[e]), int(runs.kv_len[e])
+            ks = int(runs.k_start[e]) if shared else ms
             qe = q[qs : qs + ql].detach().double().requires_grad_()
-            ke = kv[ms : ms + kl].detach().double().requires_grad_()
+            ke = kv[ks : ks + kl].detach().double().requires_grad_()
             with torch.enable_grad():  # a Function's backward runs with grad mode off
                 out, _ = _entry(qe, ke[..., :d], ke[..., d:], scale)
                 gq, gk = torch.autograd.grad(out, (qe, ke), do[qs : qs + ql].double())
             dq[qs : qs + ql] = gq.to(dq.dtype)
             dkv[ms : ms + kl] = gk.to(dkv.dtype)  # written, not added: entries do not overlap
         return dq, dkv
+
+
+class SharedKeysReferenceKernel(ReferenceKernel):
+    """The same, reading overlapping key ranges in the backward (no per-entry copies)."""
+
+    shared_keys_in_backward = True
 
 
 def oracle_attention(query, keys, values, positions, sequence, owned, scale):
@@ -84,7 +94,7 @@ def oracle_attention(query, keys, values, positions, sequence, owned, scale):
     heads, groups = query.shape[1], keys.shape[1]
     k = keys.double().repeat_interleave(heads // groups, dim=1)
     v = values.double().repeat_interleave(heads // groups, dim=1)
-    source = torch.arange(keys.shape[0])
+    source = torch.arange(keys.shape[0], device=keys.device)
     allowed = (
         (sequence[None, :] == sequence[positions][:, None])
         & (source[None, :] <= positions[:, None])

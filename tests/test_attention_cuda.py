@@ -267,3 +267,16 @@ def test_gpt_model_cp2_matches_cp1(plan_kind):
         assert _rel(out["logp"], ref["logp"]) < 2e-2
         for name, g in ref["grads"].items():
             assert _rel(out["grads"][name], g) < 5e-2, name
+
+
+@pytest.mark.parametrize("kind", ["zigzag", "uneven", "thd"])
+def test_backward_on_shared_key_ranges(kind):
+    """Whether cuDNN's backward may read overlapping key ranges (no per-entry copies)."""
+    g = torch.Generator().manual_seed(4)
+    plan, cu = _plan(kind, 1024, g)
+    cudnn_kernel.shared_keys_in_backward = True
+    try:
+        runs = _check(plan, 0, cu, 8, 2, 128, torch.bfloat16, 9)
+    finally:
+        cudnn_kernel.shared_keys_in_backward = False
+    assert runs.materialize

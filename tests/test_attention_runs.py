@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_ref import ReferenceKernel, oracle_attention
+from _attention_ref import ReferenceKernel, SharedKeysReferenceKernel, oracle_attention
 from _dist import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -44,13 +44,13 @@ def _slots(full, plan):
     return out
 
 
-def _check_rank(plan, rank, cu, heads, groups, dim, seed, merge_gap=64):
+def _check_rank(plan, rank, cu, heads, groups, dim, seed, merge_gap=64, kernel=ReferenceKernel):
     g = torch.Generator().manual_seed(seed)
     seq_len = plan.seq_len
     q_full = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
     kv_full = torch.randn(seq_len, groups, 2 * dim, generator=g, dtype=torch.float64)
     weight = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
-    runs = _runs(plan, rank, cu, merge_gap=merge_gap)
+    runs = _runs(plan, rank, cu, merge_gap=merge_gap, longest_first=seed % 2 == 1)
     pos = plan.local_positions(rank)
     sequence = _sequence(seq_len, cu)
     owned = plan.owned_mask()
@@ -146,7 +146,8 @@ def test_named_plans_match_the_oracle(plan_kind):
     else:
         plan = ContextParallelPlan.from_rank_positions([list(range(12)), []], 12)
     for rank in range(plan.cp_size):
-        _check_rank(plan, rank, cu, 4, 2, 8, rank)
+        for kernel in (ReferenceKernel, SharedKeysReferenceKernel):
+            _check_rank(plan, rank, cu, 4, 2, 8, rank, kernel=kernel)
 
 
 def test_tables_of_the_report_layouts():

@@ -35,6 +35,11 @@ _Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 _LEN_Q, _LEN_KV = 10, 11
 _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DQ, _OFF_DK, _OFF_DV = range(20, 28)
 
+# Whether the backward reads the entries' keys where the forward did (overlapping ranges of the
+# compact keys) and writes their gradients to separate rows, instead of being given per-entry
+# copies of the keys. Off until measured correct on the device.
+shared_keys_in_backward = False
+
 _GRAPHS: Dict[tuple, tuple] = {}
 _BUILDS = [0]
 _LOCK = threading.Lock()
@@ -288,12 +293,14 @@ def backward(
     scale: float,
     deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of every entry: ``dq`` ``[Tq, H, d]`` and ``dkv`` ``[M, G, 2d]`` for the
-    backward key buffer ``kv`` (entries must not overlap in it). All inputs contiguous."""
+    """Gradients of every entry: ``dq`` ``[Tq, H, d]`` and ``dkv`` ``[M, G, 2d]``, M =
+    ``runs.mat_rows``. ``kv`` is the backward key buffer (entries do not overlap in it) or, with
+    ``shared_keys_in_backward``, the compact keys themselves. All inputs contiguous."""
     tq, heads, dim = q.shape
     groups = kv.shape[1]
+    out_shape = (runs.mat_rows, groups, 2 * dim)
     if not runs.entries:
-        return torch.zeros_like(q), torch.zeros_like(kv)
+        return torch.zeros_like(q), kv.new_zeros(out_shape)
     key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, runs.total_q, runs.total_mat,
            heads, groups, dim, scale, deterministic, q.device)  # fmt: skip
     handle = _handle(q.device)
@@ -306,13 +313,24 @@ def backward(
         (tq, heads, dim), dtype=q.dtype, device=q.device
     )
     covered = runs.materialize or runs.keys_covered
-    dkv = (torch.empty if covered else torch.zeros)(kv.shape, dtype=kv.dtype, device=kv.device)
+    dkv = (torch.empty if covered else torch.zeros)(out_shape, dtype=kv.dtype, device=kv.device)
     kv_tok = groups * 2 * dim
     q_off = dev.offsets("q_rows", heads * dim)
-    kv_off = dev.offsets("mat_rows", kv_tok)
+    out_off = dev.offsets("mat_rows", kv_tok)
+    in_off = dev.offsets("kv_rows" if kv.shape[0] != runs.mat_rows else "mat_rows", kv_tok)
     buffers = [q, kv, kv[..., dim:], o, do, padded, dq, dkv, dkv[..., dim:]]
     uids = [_Q, _K, _V, _O, _DO, _STATS, _DQ, _DK, _DV]
-    buffers += [dev.seq_len_q, dev.seq_len_kv, q_off, kv_off, kv_off, q_off, q_off, kv_off, kv_off]
+    buffers += [
+        dev.seq_len_q,
+        dev.seq_len_kv,
+        q_off,
+        in_off,
+        in_off,
+        q_off,
+        q_off,
+        out_off,
+        out_off,
+    ]
     uids += [_LEN_Q, _LEN_KV, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_DQ, _OFF_DK, _OFF_DV]
     g.execute(buffers, _workspace(ws, q.device), handle=handle, tensor_uids=uids)
     return dq, dkv

@@ -147,6 +147,8 @@ class AttentionRuns:
         *,
         padding_rows: int = 0,
         merge_gap: int = DEFAULT_MERGE_GAP,
+        shape_buckets: int = 1,
+        longest_first: bool = False,
     ) -> "AttentionRuns":
         """The entries of rank ``rank``'s rows of ``plan`` (host only, no device work).
 
@@ -159,6 +161,10 @@ class AttentionRuns:
                 rank's one padding row).
             merge_gap: runs of one sequence with fewer than this many rows between them merge
                 into one entry (``1`` never merges).
+            shape_buckets: sizes per power of two that the longest entry's rows and keys are
+                rounded up to (kernel plans are built per size; 1: powers of two).
+            longest_first: order the entries by key count, longest first (the kernel then
+                starts its longest tiles first).
         """
         owned = plan.row_source("cpu") >= 0
         compact_slots = plan.row_source("cpu")[owned]
@@ -218,6 +224,11 @@ class AttentionRuns:
         k_start = key_sequence_start[lo] if lo.numel() else lo
         kv_len = lo + q_len - k_start
         entries = int(q_len.numel())
+        if longest_first and entries > 1:
+            first = torch.argsort(kv_len, descending=True, stable=True)
+            q_start, q_len, lo, k_start, kv_len = (
+                t[first] for t in (q_start, q_len, lo, k_start, kv_len)
+            )
         entry_seq = sequence_of_key[lo] if entries else lo
         materialize = entries > 1 and int(torch.unique(entry_seq).numel()) < entries
         if materialize:
@@ -259,8 +270,8 @@ class AttentionRuns:
             keys_covered=bool(keys_covered),
             rows_covered=padding_rows == 0,
             batch=_bucket(entries),
-            max_q=_bucket(int(q_len.max()) if entries else 1),
-            max_kv=_bucket(int(kv_len.max()) if entries else 1),
+            max_q=_bucket(int(q_len.max()) if entries else 1, shape_buckets),
+            max_kv=_bucket(int(kv_len.max()) if entries else 1, shape_buckets),
             # cuDNN sizes its dQ accumulator by these totals in multiples of 64 rows.
             total_q=-(-_bucket(query_rows, per_octave=8) // 64) * 64,
             total_mat=-(-_bucket(mat_rows, per_octave=8) // 64) * 64,

@@ -123,7 +123,8 @@ class _FusedAttention(torch.autograd.Function):
             do = grad_out.contiguous()
         else:
             do = ops.gather_rows(grad_out.contiguous(), dev.span_source)
-        keys = ops.gather_rows(kv, dev.kv_source) if runs.materialize else kv
+        copies = runs.materialize and not getattr(ctx.kernel, "shared_keys_in_backward", False)
+        keys = ops.gather_rows(kv, dev.kv_source) if copies else kv
         dq, dkeys = ctx.kernel.backward(
             q, keys, o, do, stats, runs, dev, ctx.scale, ctx.deterministic
         )
