@@ -355,31 +355,57 @@ def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense,
     return row
 
 
+def _random_uneven_plan(seq_len, rng):
+    cuts = sorted(rng.sample(range(1, seq_len), rng.randint(2, 7)))
+    bounds = [0] + cuts + [seq_len]
+    ranks = [[], []]
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        ranks[(i + rng.randint(0, 1)) % 2].append(torch.arange(a, b))
+    ranks = [torch.cat(r) if r else torch.zeros(0, dtype=torch.int64) for r in ranks]
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len)
+
+
 def graph_builds_over_random_plans(seq_len, device, batches=20, seed=1):
-    """cuDNN graph builds and the worst table-build ms over ``batches`` random uneven plans."""
+    """cuDNN graph builds over ``batches`` random uneven plans, then over ``batches`` more (new
+    random plans): the second count shows the buckets filling up. Also the worst table build."""
     rng = random.Random(seed)
-    before = _attention_cudnn.graph_builds()
-    worst = 0.0
+    counts, worst = [], 0.0
     start = time.perf_counter()
-    for _ in range(batches):
-        cuts = sorted(rng.sample(range(1, seq_len), rng.randint(2, 7)))
-        bounds = [0] + cuts + [seq_len]
-        ranks = [[], []]
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            ranks[(i + rng.randint(0, 1)) % 2].append(torch.arange(a, b))
-        ranks = [torch.cat(r) if r else torch.zeros(0, dtype=torch.int64) for r in ranks]
-        plan = ContextParallelPlan.from_rank_positions(ranks, seq_len)
-        rank = 0 if plan.counts[0] else 1
-        case = Case(plan, rank, None, device)
-        worst = max(worst, case.build_ms)
-        case.ours(True)
+    for _ in range(2):
+        before = _attention_cudnn.graph_builds()
+        for _ in range(batches):
+            plan = _random_uneven_plan(seq_len, rng)
+            case = Case(plan, 0 if plan.counts[0] else 1, None, device)
+            worst = max(worst, case.build_ms)
+            case.ours(True)
+        counts.append(_attention_cudnn.graph_builds() - before)
     torch.cuda.synchronize()
     return {
         "batches": batches,
-        "graph builds": _attention_cudnn.graph_builds() - before,
+        "graph builds, first batches": counts[0],
+        "graph builds, next batches": counts[1],
         "worst tables ms": worst,
         "seconds": time.perf_counter() - start,
     }
+
+
+def profile_case(plan, rank, cu, device, path):
+    """Kernel times of one forward+backward (torch.profiler), the top rows printed and saved."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case = Case(plan, rank, cu, device)
+    for _ in range(2):
+        case.ours(True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        case.ours(True)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
+    )
+    with open(path, "w") as f:
+        f.write(table)
+    print(table)
 
 
 def model_row(device, reps):
@@ -463,6 +489,7 @@ def main():
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--flex-long", action="store_true", help="FlexAttention at S > 32k too")
     parser.add_argument("--model", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="kernel table of two cases")
     parser.add_argument(
         "--variants",
         action="store_true",
@@ -493,6 +520,11 @@ def main():
             )
             results["rows"].append(row)
             print(json.dumps({k: _fmt(v) for k, v in row.items()}), flush=True)
+    results["workspace bytes"] = _attention_cudnn.workspace_bytes()
+    if args.profile:
+        for name, plan, rank, cu in cases(20436)[:3:2]:
+            print("== profile:", name)
+            profile_case(plan, rank, cu, device, os.path.join(args.out, f"profile_{rank}.txt"))
     results["graph builds"] = graph_builds_over_random_plans(20436, device)
     print(json.dumps(results["graph builds"]), flush=True)
     if args.model:

@@ -153,7 +153,9 @@ def test_named_plans_match_the_oracle(plan_kind):
 def test_tables_of_the_report_layouts():
     zig = _runs(ContextParallelPlan.zigzag(512, 2), 0)
     assert zig.identity and zig.entries == 2 and zig.materialize
-    assert zig.q_len.tolist() == [128, 128] and zig.kv_len.tolist() == [128, 512]
+    # Longest entry first: the second run (keys 0 .. 511) before the first (keys 0 .. 127).
+    assert zig.q_len.tolist() == [128, 128] and zig.kv_len.tolist() == [512, 128]
+    assert zig.q_start.tolist() == [128, 0]
     assert zig.mat_rows == 640 and zig.compact_slots is not None
     # Closer than the merge gap, the two runs become one span (the middle as dummies).
     small = _runs(ContextParallelPlan.zigzag(64, 2), 0)

@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["available", "forward", "backward", "graph_builds"]
+__all__ = ["available", "forward", "backward", "graph_builds", "workspace_bytes"]
 
 # Distinct tensor ids inside one graph.
 _Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
@@ -41,6 +41,7 @@ _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DQ, _OFF_DK, _OFF_DV = range(20
 shared_keys_in_backward = False
 
 _GRAPHS: Dict[tuple, tuple] = {}
+_TOTALS: Dict[tuple, list] = {}  # backward graph key -> the (total_q, total_mat) built for it
 _BUILDS = [0]
 _LOCK = threading.Lock()
 _HANDLES = threading.local()
@@ -66,6 +67,14 @@ def available(device: torch.device) -> bool:
 def graph_builds() -> int:
     """How many cuDNN graphs this process has built (one per new bucketed shape)."""
     return _BUILDS[0]
+
+
+def workspace_bytes() -> Dict[str, int]:
+    """The largest workspace of the built forward and backward graphs (for benchmarks)."""
+    out = {"fwd": 0, "bwd": 0}
+    for key, (_, ws) in list(_GRAPHS.items()):
+        out[key[0]] = max(out[key[0]], int(ws))
+    return out
 
 
 def _handle(device: torch.device):
@@ -179,7 +188,7 @@ def _forward_graph(handle, dtype, runs, heads, groups, dim, q_tok, kv_tok, scale
     return _finish(g)
 
 
-def _backward_graph(handle, dtype, runs, heads, groups, dim, scale, deterministic):
+def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, deterministic):
     cudnn = _cudnn()
     io = _io_type(dtype)
     b, sq, skv = runs.batch, runs.max_q, runs.max_kv
@@ -215,8 +224,8 @@ def _backward_graph(handle, dtype, runs, heads, groups, dim, scale, deterministi
         use_padding_mask=True,
         seq_len_q=len_q,
         seq_len_kv=len_kv,
-        max_total_seq_len_q=runs.total_q,
-        max_total_seq_len_kv=runs.total_mat,
+        max_total_seq_len_q=totals[0],
+        max_total_seq_len_kv=totals[1],
         diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
         diagonal_band_right_bound=0,
         use_deterministic_algorithm=deterministic,
@@ -301,12 +310,20 @@ def backward(
     out_shape = (runs.mat_rows, groups, 2 * dim)
     if not runs.entries:
         return torch.zeros_like(q), kv.new_zeros(out_shape)
-    key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, runs.total_q, runs.total_mat,
-           heads, groups, dim, scale, deterministic, q.device)  # fmt: skip
+    key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
+           deterministic, q.device)  # fmt: skip
     handle = _handle(q.device)
+    # The row totals only size the backward's accumulators: a graph built for larger totals
+    # serves this batch, so batches of new lengths reuse the graphs they fit.
+    fits = [t for t in _TOTALS.get(key, ()) if t[0] >= runs.total_q and t[1] >= runs.total_mat]
+    totals = min(fits) if fits else (runs.total_q, runs.total_mat)
+    if not fits:
+        _TOTALS.setdefault(key, []).append(totals)
     g, ws = _graph(
-        key,
-        lambda: _backward_graph(handle, q.dtype, runs, heads, groups, dim, scale, deterministic),
+        key + totals,
+        lambda: _backward_graph(
+            handle, q.dtype, runs, totals, heads, groups, dim, scale, deterministic
+        ),
     )
     padded = _padded_stats(stats, dev, runs, heads)
     dq = (torch.empty if runs.rows_covered else torch.zeros)(

@@ -147,8 +147,8 @@ class AttentionRuns:
         *,
         padding_rows: int = 0,
         merge_gap: int = DEFAULT_MERGE_GAP,
-        shape_buckets: int = 1,
-        longest_first: bool = False,
+        shape_buckets: int = 16,
+        longest_first: bool = True,
     ) -> "AttentionRuns":
         """The entries of rank ``rank``'s rows of ``plan`` (host only, no device work).
 
@@ -162,9 +162,11 @@ class AttentionRuns:
             merge_gap: runs of one sequence with fewer than this many rows between them merge
                 into one entry (``1`` never merges).
             shape_buckets: sizes per power of two that the longest entry's rows and keys are
-                rounded up to (kernel plans are built per size; 1: powers of two).
+                rounded up to (kernel plans are built per size; 1: powers of two). cuDNN's
+                backward walks the padded rows, so close sizes pay (H200: THD 1.19x the floor
+                with 16 sizes per octave, 1.29x with powers of two).
             longest_first: order the entries by key count, longest first (the kernel then
-                starts its longest tiles first).
+                starts its longest tiles first, and the short ones fill the tail).
         """
         owned = plan.row_source("cpu") >= 0
         compact_slots = plan.row_source("cpu")[owned]
