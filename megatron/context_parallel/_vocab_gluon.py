@@ -722,7 +722,7 @@ def launch_stats_pingpong(hidden, weight, target, part, slots, cfg=None):
 # The top-k forward: one consumer warpgroup's tile is 64 x 256 (as a warpgroup's share of the
 # Triton kernel's tile), its running top-k waiting in shared memory between tiles. H200, k = 20,
 # kernel alone, 8 splits: 1.08-1.15 GEMMs against 1.12-1.19 with the statistics kernel's 128 x
-# 128 tile (benchmarks/probe_pingpong.py --topk-splits, RESULTS.md "Session 13"). G: column
+# 128 tile (benchmarks/probes/probe_pingpong.py --topk-splits, RESULTS.md "Session 13"). G: column
 # groups per tile (8: one thread holds a group in the wgmma accumulator layout); passes:
 # selection passes per tile (vocab_ops passes its "fwd_topk" entry); GROUP: row blocks per
 # launch group of the units.

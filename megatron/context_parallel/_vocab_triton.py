@@ -757,7 +757,7 @@ def choose_splits(
     (pipeline fill, partial-result stores) is counted as a quarter tile. ``ragged_end``: the waves
     do not run in lockstep; programs finish at scattered times, and the launch ends about one
     program's length after its work would fill the slots evenly, so one program is counted on
-    top (H200, ``benchmarks/probe_splits.py``, the kernel alone: with it the model picks the
+    top (H200, ``benchmarks/probes/probe_splits.py``, the kernel alone: with it the model picks the
     fastest measured split count, or one within 0.5% of it, at all four benchmark shapes with
     and without a top-k; without it, counts 1-5% slower at three of them). Ties go to fewer
     splits.

@@ -9,7 +9,7 @@ with no row flagged, and the every-element kernel on 18 gathered rows). Prints m
 GPU would wait on Python were it idle), the kernels of one top-20 call (torch.profiler), and on
 the TP-4 shard the backward's pieces.
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_topk.py [--reps 7]
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_topk.py [--reps 7]
 """
 
 import argparse

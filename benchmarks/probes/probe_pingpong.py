@@ -7,7 +7,7 @@ each kernel against the unit GEMM ``hidden @ weight.T``, for each ping-pong conf
 forward without a top-k (the whole call through each kernel, and the Gluon kernel alone per
 config).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_pingpong.py [--reps 7] [--shapes 20436x151936]
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_pingpong.py [--reps 7] [--shapes 20436x151936]
 
 ``--topk``: instead, the top-20 forward: the whole call through the Gluon and the Triton
 kernels, each kernel alone, and the Gluon kernel per ring / grouping variant.

@@ -17,7 +17,7 @@ microseconds per call, and a cProfile of cold k = 0 calls sorted by own time. Fi
 ``vocab_stats``, the op's CUDA implementation, the launch helper, Triton's launch and its return),
 and the whole cold call of an empty autograd Function, an empty custom op and one allocation.
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--calls 100] [--layers-only]
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_host.py [--calls 100] [--layers-only]
 """
 
 import argparse

@@ -7,7 +7,7 @@ cost the epilogue local-memory traffic; this is how the top-k kernel came to kee
 top-k in shared memory (RESULTS.md "Session 12"). Use the Triton version of the GPU machine
 (3.6 there): spills differ between versions.
 
-    PYTHONPATH=$PWD python3 benchmarks/ptxas_report.py [--k 1,5,20,32,64]
+    PYTHONPATH=$PWD python3 benchmarks/probes/ptxas_report.py [--k 1,5,20,32,64]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import triton
 from triton.backends.nvidia.compiler import get_ptxas
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
 from _gluon_target import hopper_target  # noqa: E402
 

@@ -7,7 +7,7 @@ whose programs run together), against cuBLAS's ``hidden @ weight.T``, in turns w
 2 ms before each start (so host time is hidden). Prints ms and GEMMs per variant, the model's
 choice marked.
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_splits.py [--reps 7] [--shapes 20436x151936]
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_splits.py [--reps 7] [--shapes 20436x151936]
         [--splits 9,33] [--groups 4,16]
 """
 

@@ -9,7 +9,7 @@ busy 2 ms before each start, the forward kernel alone (k = 0) and one backward s
 kernel alone for each config, and prints each compiled kernel's registers, spills and shared
 memory with the programs per SM they allow.
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_occupancy.py [--reps 7] [--shapes 20436x151936]
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_occupancy.py [--reps 7] [--shapes 20436x151936]
 """
 
 import argparse
