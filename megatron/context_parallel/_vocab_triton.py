@@ -82,7 +82,7 @@ def _tile_logits(
     hidden rows ``rows_ld`` and weight rows ``cols_ld`` (callers keep them in range). With
     ``PROMOTE`` each ``BK`` block's product is summed by the tensor cores from zero and added to the
     running sum with ordinary (round-to-nearest) fp32 adds: the tensor cores' accumulation into a
-    large running sum is less exact than IEEE fp32 (measured: NOTES.md "Head kernels"), at the
+    large running sum is less exact than IEEE fp32 (measured: docs/DESIGN.md), at the
     cost of a second ``[BM, BN]`` fp32 tile in registers.
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)

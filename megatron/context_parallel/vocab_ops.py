@@ -108,7 +108,8 @@ _LISTED_BYTES = 64 << 20
 # the sparse tail of a row's logits, so it lets few extra keys through.
 _FLOOR_MARGIN = (1e-3, 1e-4)
 
-# Tile configurations of the Triton kernels (H200 sweep in NOTES.md "Head kernels").
+# Tile configurations of the Triton kernels (H200 sweeps: benchmarks/RESULTS.md, "Output head
+# kernels").
 # ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
 # that picks the number of vocabulary splits.
 # All three share one tile: 128x256x64, 8 warps, 3 stages, operands through tensor descriptors
