@@ -169,18 +169,19 @@ def probe(n, vocab, calls, profile):
             f"k={k:2d}: to launch {to_launch:7.1f} us, launch {launch:7.1f} us, "
             f"after {after:8.1f} us"
         )
-    cfg = vocab_ops.kernel_config("fwd")
+    cfg = dict(vocab_ops._CONFIG["fwd"])
     splits = vocab_ops.forward_splits(n, vocab, 0, slots)
     part = torch.empty(splits, 3, n, device=dev)
     tv = torch.empty(splits, n, 0, device=dev)
     ti = torch.empty(splits, n, 0, device=dev, dtype=torch.int32)
+    gluon = vocab_ops._kernel_path("stats", h, w) == "gluon"
     pieces = {
         "launch_stats_fwd (k=0)": lambda: _vocab_triton.launch_stats_fwd(
             h, w, labels, 0, part, tv, ti, splits, cfg, False
         ),
         "_descriptors": lambda: _vocab_triton._descriptors(h, w, 128, 256, 64, True),
         "torch.empty": lambda: torch.empty(splits, 3, n, device=dev),
-        "_stats_kernel (k=0)": lambda: vocab_ops._stats_kernel(h, w, labels, 0, slots),
+        "_stats_kernel (k=0)": lambda: vocab_ops._stats_kernel(h, w, labels, 0, slots, gluon=gluon),
         "vocab_stats (k=0, op)": lambda: vocab_ops.vocab_stats(h, w, labels, 0),
         "shard_logprobs (k=0)": lambda: shard_logprobs(h, w, labels, 0),
         "GEMM h @ w.T": lambda: h @ w.t(),

@@ -77,19 +77,19 @@ def occupancy(compiled, warps):
 
 def forward_case(h, w, t, over):
     n, vocab = h.shape[0], w.shape[0]
-    cfg = dict(vocab_ops.kernel_config("fwd"), **over)
-    saved = vocab_ops.kernel_config("fwd")
-    vocab_ops.set_kernel_config("fwd", **cfg)
+    cfg = dict(vocab_ops._CONFIG["fwd"], **over)
+    saved = dict(vocab_ops._CONFIG["fwd"])
+    vocab_ops._CONFIG["fwd"].update(cfg)
     try:
         splits = vocab_ops.forward_splits(n, vocab, 0, SMS)
     finally:
-        vocab_ops.set_kernel_config("fwd", **saved)
+        vocab_ops._CONFIG["fwd"].update(saved)
     return launch(h, w, t, 0, splits, **over), splits, cfg
 
 
 def dlogits_case(h, w, over):
     """The backward's first slice under ``over``; the unit for it is the slice's own GEMM."""
-    cfg = dict(vocab_ops.kernel_config("bwd"), **over)
+    cfg = dict(vocab_ops._CONFIG["bwd"], **over)
     _, slices = dlogits_inputs(h, w, dev, cfg)
     v0, v1, run = slices[0]
     return run, v1 - v0, (lambda: h @ w[v0:v1].t())
@@ -115,7 +115,7 @@ def probe(n, vocab, reps):
                         extra = f"splits {splits}"
                     else:
                         run, width, unit = dlogits_case(h, w, over)
-                        cfg = dict(vocab_ops.kernel_config("bwd"), **over)
+                        cfg = dict(vocab_ops._CONFIG["bwd"], **over)
                         extra = f"slice {width}"
                     run()
                     torch.cuda.synchronize()

@@ -53,7 +53,7 @@ def _inputs(n, vocab, seed):
 def _kernels(hidden, weight, width=None):
     """The Triton kernel and each ping-pong variant over the same inputs and slices:
     ``{name: (d, slices)}``."""
-    cfg = vocab_ops.kernel_config("bwd")
+    cfg = dict(vocab_ops._CONFIG["bwd"])
     out = {"triton": dlogits_inputs(hidden, weight, dev, cfg, width=width)}
     width = out["triton"][0].shape[1]
     for label, over in VARIANTS:
@@ -95,15 +95,15 @@ def _call(hidden, weight, k, pingpong, splits=None):
     name = "fwd_topk" if k else "fwd"
 
     def run():
-        saved, saved_splits = vocab_ops.kernel_config(name), pp.topk_splits
-        vocab_ops.set_kernel_config(name, pingpong=pingpong)
+        saved, saved_splits = dict(vocab_ops._CONFIG[name]), pp.topk_splits
+        vocab_ops._CONFIG[name].update(pingpong=pingpong)
         if splits:
             pp.topk_splits = lambda *args, **kwargs: splits
         try:
             vocab_ops.vocab_stats(hidden, weight, None, k)
         finally:
             pp.topk_splits = saved_splits
-            vocab_ops.set_kernel_config(name, **saved)
+            vocab_ops._CONFIG[name].update(saved)
 
     return run
 
@@ -147,7 +147,7 @@ def _topk_fns(hidden, weight, k=20):
         "top-20 call, Gluon": _call(hidden, weight, k, True),
         "top-20 call, Triton": _call(hidden, weight, k, False),
     }
-    cfg = vocab_ops.kernel_config("fwd_topk")
+    cfg = dict(vocab_ops._CONFIG["fwd_topk"])
     splits = vocab_ops.forward_splits(n, vocab, k, SMS)
     bufs = vocab_ops._split_buffers(splits, 4, n, k, dev)
     fns[f"top-20 Triton kernel alone ({splits} splits)"] = lambda: (
@@ -178,7 +178,7 @@ def _split_fns(hidden, weight, k=20):
     split count forced to 8 and to the model's."""
     n, vocab = hidden.shape[0], weight.shape[0]
     fns = {}
-    cfg = vocab_ops.kernel_config("fwd_topk")
+    cfg = dict(vocab_ops._CONFIG["fwd_topk"])
     model = vocab_ops.forward_splits(n, vocab, k, SMS)
     for s in sorted({model, 8}):
         bufs = vocab_ops._split_buffers(s, 4, n, k, dev)

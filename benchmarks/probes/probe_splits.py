@@ -25,7 +25,7 @@ from megatron.context_parallel import vocab_ops  # noqa: E402
 
 def candidates(n, vocab, k):
     """The model's splits and nearby counts that change the program count's fit to the waves."""
-    cfg = vocab_ops.kernel_config("fwd_topk" if k else "fwd")
+    cfg = dict(vocab_ops._CONFIG["fwd_topk" if k else "fwd"])
     tiles = -(-vocab // cfg["BN"])
     model = vocab_ops.forward_splits(n, vocab, k, slots)
     picks = {model}
@@ -43,7 +43,7 @@ def probe(n, vocab, reps, splits=None, groups=(4, 16)):
     for k in (0, 20):
         model, picks = candidates(n, vocab, k)
         picks = sorted(set(splits) | {model}) if splits else picks
-        group = vocab_ops.kernel_config("fwd_topk" if k else "fwd").get("GROUP", 8)
+        group = vocab_ops._CONFIG["fwd_topk" if k else "fwd"].get("GROUP", 8)
         fns = {"GEMM": lambda: h @ w.t()}
         for s in picks:
             fns[f"k={k} splits {s}{' (model)' if s == model else ''}"] = launch(h, w, t, k, s)

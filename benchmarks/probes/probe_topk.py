@@ -27,12 +27,12 @@ from megatron.context_parallel import _vocab_triton, vocab_ops  # noqa: E402
 dev = torch.device("cuda")
 slots = vocab_ops._sm_count(dev)
 gen = torch.Generator(device=dev).manual_seed(0)
-base = vocab_ops.kernel_config("fwd_topk")
+base = dict(vocab_ops._CONFIG["fwd_topk"])
 
 
 def launch(h, w, t, k, splits, **over):
     """The forward kernel alone with ``fwd_topk`` (k > 0) or ``fwd`` overridden by ``over``."""
-    c = dict(base if k else vocab_ops.kernel_config("fwd"), **over)
+    c = dict(base if k else vocab_ops._CONFIG["fwd"], **over)
     grouped = bool(k and c.get("grouped"))
     part, tv, ti = vocab_ops._split_buffers(splits, 4 if grouped else 3, h.shape[0], k, dev)
     return lambda: _vocab_triton.launch_stats_fwd(h, w, t, k, part, tv, ti, splits, c, grouped)
@@ -48,11 +48,11 @@ def probe(n, vocab, reps):
     fns[f"top-20 path {base}"] = lambda: vocab_ops.vocab_stats(h, w, t, 20)
 
     def no_ahead():
-        vocab_ops.set_kernel_config("fwd_topk", reselect_ahead=0)
+        vocab_ops._CONFIG["fwd_topk"].update(reselect_ahead=0)
         try:
             return vocab_ops.vocab_stats(h, w, t, 20)
         finally:
-            vocab_ops.set_kernel_config("fwd_topk", **base)
+            vocab_ops._CONFIG["fwd_topk"].update(base)
 
     fns["top-20 path, every flagged row through the row-list launch"] = no_ahead
     fns[f"kernel k=0 flatten splits={auto0}"] = launch(h, w, t, 0, auto0)
@@ -67,7 +67,7 @@ def probe(n, vocab, reps):
     ti = torch.randint(0, vocab, (auto0, n, 32), device=dev, dtype=torch.int32)
     fns[f"merge of {auto0} splits"] = lambda: vocab_ops._combine_splits(part, tv, ti, 20, vocab)
     hs = h[:18].contiguous()
-    cfg = vocab_ops.kernel_config("fwd_topk")
+    cfg = dict(vocab_ops._CONFIG["fwd_topk"])
     # 18 flagged rows (spread out), re-selected in place: through logit keys, or all through the
     # every-element kernel's row-list launch.
     redo = torch.zeros(n, dtype=torch.bool, device=dev)
