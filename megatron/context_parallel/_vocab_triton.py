@@ -281,6 +281,18 @@ def _empty_keys(BM: tl.constexpr, KP: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _empty_slots(BM: tl.constexpr, KP: tl.constexpr, K: tl.constexpr):
+    """The running top-k over every element before any tile: ``[BM, KP]`` values (-inf) and
+    columns (-1). Slots past K hold +inf: never the row minimum, so never replaced, never
+    output."""
+    kcols = tl.arange(0, KP)
+    top_v = tl.where(kcols[None, :] < K, float("-inf"), float("inf")) + tl.zeros(
+        (BM, KP), tl.float32
+    )
+    return top_v, tl.zeros((BM, KP), tl.int32) - 1
+
+
+@triton.jit
 def _store_slots(topv_ptr, topi_ptr, split, rows, n, rmask, top_v, top_i, K: tl.constexpr):
     """Stores a program's running top-k (``[BM, KP]`` values and int32 columns) as its split's
     slots of ``[S, n, KP]``; slots past K as -inf."""
@@ -364,12 +376,7 @@ def _stats_fwd_kernel(
             bound = tl.full((BM,), float("-inf"), tl.float32)
             drop = tl.full((BM,), float("-inf"), tl.float32)
         else:
-            # Slots past K hold +inf: never the row minimum, so never replaced, never output.
-            kcols = tl.arange(0, KP)
-            top_v = tl.where(kcols[None, :] < K, float("-inf"), float("inf")) + tl.zeros(
-                (BM, KP), tl.float32
-            )
-            top_i = tl.zeros((BM, KP), tl.int32) - 1
+            top_v, top_i = _empty_slots(BM, KP, K)
 
     operands = (h_ptr, w_ptr, h_desc, w_desc, stride_h, stride_w)
     for tile in tl.range(tile_lo, tile_hi, flatten=FLATTEN):
