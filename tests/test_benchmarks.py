@@ -13,6 +13,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -27,7 +29,8 @@ def _run(args, timeout=600):
     return done.stdout
 
 
-def test_bench_gather_check_only():
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_bench_gather_check_only(ranks):
     # --check-only compares every peer approach with ours and with the full tensors the shards
     # were cut from, on every payload; it exits non-zero on any difference.
     out = _run(
@@ -36,7 +39,7 @@ def test_bench_gather_check_only():
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            "2",
+            str(ranks),
             "benchmarks/bench_gather.py",
             "--device",
             "cpu",
@@ -45,7 +48,7 @@ def test_bench_gather_check_only():
             "400",
         ]
     )
-    assert "all approaches equal ours" in out
+    assert "all approaches equal ours and the reference on" in out and f"at CP {ranks}" in out
 
 
 def test_bench_head_cpu_smoke(tmp_path):
