@@ -62,7 +62,8 @@ Run (from the repository root):
         --reps 5 --warmup 1 --sweep --plot benchmarks/gather_cpu_gloo.png
     PYTHONPATH=. torchrun --nproc-per-node 4 benchmarks/bench_gather.py --device cuda --sweep
 
-``check_approaches`` is the correctness check alone; tests/test_bench_gather.py runs it.
+``--check-only`` runs the correctness check alone (``check_approaches``); tests/test_benchmarks.py
+runs it on 2 gloo ranks.
 """
 
 from __future__ import annotations

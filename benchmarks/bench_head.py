@@ -147,17 +147,7 @@ def extra_peak_gib(fn, device):
 # --- methods -----------------------------------------------------------------------------------
 
 
-_DEFAULTS = dict(
-    promote=False,
-    splits=None,
-    flatten=False,
-    persistent=False,
-    tma_store=False,
-    GROUP=8,
-    ctas_per_sm=1,
-    grouped=False,
-    G=8,
-)
+_DEFAULTS = dict(promote=False, pingpong=True)
 
 
 def current_configs():
@@ -395,43 +385,28 @@ def _rel(got, ref):
 
 # --- configuration sweep -----------------------------------------------------------------------
 
-_BASE = dict(BM=128, BN=256, BK=64, warps=8, stages=3, GROUP=8, ctas_per_sm=1, tma=True)
+_BASE = dict(BM=128, BN=256, BK=64, warps=8, stages=3)
 # Run 1 (2026-12-02) swept 128x256 / 128x128 tiles, 3 / 4 stages, 4 / 8 warps, descriptors /
-# pointers: 128x256x64, 8 warps, 3 stages, descriptors won for all three kernels.
-# Session 3 (2026-12-03): the loop schedules on the winning tile.
-# (Also swept that day, slower on both shapes: 4 stages, GROUP 4.)
-# Session 11: the Gluon ping-pong kernels (_vocab_gluon) took over the forward without a top-k
-# and the backward's d_logits on Hopper; the sweeps below time the Triton ones, plus the Gluon
-# one as it is configured.
+# pointers: 128x256x64, 8 warps, 3 stages, descriptors won for all three kernels; the loop
+# schedules and launch groups were swept after it (RESULTS.md). The sweeps below time what
+# set_kernel_config offers on that tile: the Gluon kernels against the Triton ones, and promote.
 FWD_SWEEP = [
-    dict(_BASE, flatten=True, pingpong=True),
-    dict(_BASE, flatten=True, pingpong=False),
+    dict(_BASE, pingpong=True),
     dict(_BASE, pingpong=False),
 ]
-# Session 3's removal selection (largest element of each of Q column groups per pass, removed
-# from the tile) took 2.4-3.2 GEMMs against 1.40-1.96 for ordered picks and was dropped.
-# Session 4: grouped candidates (each 32-column group's top two per tile offered to the running
-# top-k; rows where a left-out logit reaches the k-th are selected again over
-# every element) against selection over every element (sessions 1-3: 1.44-1.98 GEMMs). Session
-# 5: a fixed number of passes per tile (the offered candidates the passes do not reach send
-# their row to the exact selection when they could matter), which lets Triton fuse the tile
-# loop (a loop with a data-dependent trip count inside kept it from doing so).
+# The top-k's selection schedule (grouped candidates, three passes per tile) is fixed in
+# vocab_ops, chosen by earlier sweeps (benchmarks/RESULTS.md); what a user may switch is the
+# kernel.
 TOPK_SWEEP = [
-    dict(_BASE, grouped=True, G=8),
-    dict(_BASE, grouped=True, G=8, flatten=True),
-    dict(_BASE, grouped=True, G=8, flatten=True, passes=2),
-    dict(_BASE, grouped=True, G=8, flatten=True, passes=3),
-    dict(_BASE, grouped=True, G=8, flatten=True, passes=4),
-    dict(_BASE, grouped=True, G=8, passes=3),
+    dict(_BASE, pingpong=True),
+    dict(_BASE, pingpong=False),
 ]
 PROMOTE_SWEEP = [
     dict(_BASE, promote=True, pingpong=False),
 ]
-# (Session 3 also swept: one program per tile with pointer or descriptor stores, persistent with
-# pointer stores, persistent without flattening: 3.16-3.61 GEMMs on the full vocabulary.)
 BWD_SWEEP = [
-    dict(_BASE, persistent=True, flatten=True, tma_store=True, GROUP=16, pingpong=True),
-    dict(_BASE, persistent=True, flatten=True, tma_store=True, GROUP=16, pingpong=False),
+    dict(_BASE, pingpong=True),
+    dict(_BASE, pingpong=False),
 ]
 # The fastest promoted-accumulation forward config (set by the sweep); "ours/ieee-acc" uses it.
 PROMOTED = dict(PROMOTE_SWEEP[0])
@@ -439,7 +414,7 @@ PROMOTED = dict(PROMOTE_SWEEP[0])
 
 def _cfg_label(cfg):
     tag = "tma" if cfg.get("tma") else "ptr"
-    flags = ("promote", "flatten", "persistent", "tma_store", "pingpong")
+    flags = ("promote", "pingpong")
     extra = "".join(f" {key}" for key in flags if cfg.get(key)) + (
         f" G{cfg['GROUP']}" if cfg.get("GROUP", 8) != 8 else ""
     )
@@ -549,9 +524,9 @@ def backward_parts(hidden, weight, device, reps, gemm):
     """Times the backward's pieces over all slices: the d_logits kernel (the one the backward
     runs here: Gluon or Triton), dW, dH (fp32 adds)."""
     n = hidden.shape[0]
-    cfg = vocab_ops.kernel_config("bwd")
+    cfg = vocab_ops._config("bwd", hidden.dtype)
     launcher = None
-    if vocab_ops._pingpong(hidden, weight, cfg, "dlogits"):
+    if vocab_ops._kernel_path("dlogits", hidden, weight) == "gluon":
         gluon = vocab_ops._vocab_gluon
         cfg = dict(cfg, BN=gluon.CONFIG["BN"])
         slots = vocab_ops._sm_count(device)

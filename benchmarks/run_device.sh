@@ -69,9 +69,9 @@ head_gpu_tests() {
 }
 
 if [[ "$mode" == probe || "$mode" == head || "$mode" == topk || "$mode" == probe-head ]]; then
-  # probe: where the forward top-k's time goes (benchmarks/probe_topk.py); head: the head table
-  # (bench_head.py, peers from .whl; BENCH_METHODS narrows it); probe-head: both; topk: the top-k
-  # configs side by side on both shapes. Each then runs the head's GPU tests, or first with
+  # probe: where the forward top-k's time goes (benchmarks/probes/probe_topk.py); head: the head
+  # table (bench_head.py, peers from .whl; BENCH_METHODS narrows it); probe-head: both; topk: the
+  # top-k configs side by side on both shapes. Each then runs the head's GPU tests, or first with
   # TESTS_FIRST=1 (new kernels: their results before their timings).
   carry_wheels
   if [[ "${TESTS_FIRST:-0}" == 1 ]]; then
@@ -79,7 +79,7 @@ if [[ "$mode" == probe || "$mode" == head || "$mode" == topk || "$mode" == probe
   fi
   if [[ "$mode" == probe || "$mode" == probe-head ]]; then
     echo "== top-k probe"
-    timeout "${PROBE_TIMEOUT:-300}" "$py" benchmarks/probe_topk.py 2>&1 \
+    timeout "${PROBE_TIMEOUT:-300}" "$py" benchmarks/probes/probe_topk.py 2>&1 \
       | tee "$out/probe_topk.log" | grep -E "^\||x[0-9]+:|Error" | tail -n 70
   fi
   if [[ "$mode" == head || "$mode" == probe-head ]]; then
@@ -110,7 +110,7 @@ if [[ "$mode" == gluon-topk ]]; then
   carry_wheels
   TESTS_TIMEOUT="${TESTS_TIMEOUT:-220}" head_gpu_tests
   echo "== top-k kernels per split count, Gluon and Triton"
-  timeout "${PROBE_TIMEOUT:-100}" "$py" benchmarks/probe_pingpong.py --topk-splits \
+  timeout "${PROBE_TIMEOUT:-100}" "$py" benchmarks/probes/probe_pingpong.py --topk-splits \
     --reps "${PROBE_REPS:-7}" 2>&1 | tee "$out/probe_topk_splits.log" | grep -E "^\||Error" \
     | tail -n 50
   echo "== head benchmark"

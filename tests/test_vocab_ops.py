@@ -395,49 +395,86 @@ def test_slice_width_is_balanced_and_bounded():
     assert vocab_ops._slice_width(100, 50, 7, 2, 256) == 7
 
 
+def _own_configs(monkeypatch):
+    """Gives the test its own copy of every kernel configuration (undone after it)."""
+    for name in vocab_ops._CONFIG:
+        monkeypatch.setitem(vocab_ops._CONFIG, name, dict(vocab_ops._CONFIG[name]))
+
+
 def test_fp32_inputs_take_the_fp32_tile(monkeypatch):
     # fp32 products run on the CUDA cores, where the tensor-core tile takes minutes to build: the
     # "fp32" entries replace the tile of every kernel for them, and only for them.
+    _own_configs(monkeypatch)
+    fp32_tile = vocab_ops._CONFIG["fp32"]
     for name in ("fwd", "fwd_topk", "bwd"):
-        monkeypatch.setitem(vocab_ops._CONFIG, name, vocab_ops.kernel_config(name))
-        vocab_ops.set_kernel_config(name, passes=7)
+        vocab_ops.set_kernel_config(name, promote=True)
         fp32 = vocab_ops._config(name, torch.float32)
-        assert {key: fp32[key] for key in vocab_ops.kernel_config("fp32")} == (
-            vocab_ops.kernel_config("fp32")
-        )
-        assert fp32["passes"] == 7
+        assert {key: fp32[key] for key in fp32_tile} == fp32_tile
+        assert fp32["promote"] is True and fp32["GROUP"] == vocab_ops._CONFIG[name]["GROUP"]
         for dtype in (torch.bfloat16, torch.float16):
-            assert vocab_ops._config(name, dtype) == vocab_ops.kernel_config(name)
+            assert vocab_ops._config(name, dtype) == vocab_ops._CONFIG[name]
     assert vocab_ops.kernel_config("fp32")["BN"] != vocab_ops.kernel_config("fwd")["BN"]
 
 
 def test_restoring_a_saved_config_undoes_promote(monkeypatch):
-    # Tests and benchmarks restore a kernel_config copy with set_kernel_config, which only
-    # updates keys: a switch absent from the copy would stay on (a leaked promote=True kept the
-    # Gluon kernels off in later GPU tests). Every tensor-core config spells promote out.
-    for name in ("fwd", "fwd_topk", "bwd"):
-        monkeypatch.setitem(vocab_ops._CONFIG, name, vocab_ops.kernel_config(name))
+    # A saved kernel_config copy restores with set_kernel_config, which only updates keys: every
+    # settable switch must be in the copy, or it would stay on (a leaked promote=True kept the
+    # Gluon kernels off in later GPU tests).
+    _own_configs(monkeypatch)
+    for name in ("fwd", "fwd_topk", "bwd", "fp32"):
         saved = vocab_ops.kernel_config(name)
-        vocab_ops.set_kernel_config(name, promote=True, pingpong=False)
+        assert set(saved) == set(vocab_ops._USER_KEYS[name])
+        changed = {"promote": True, "pingpong": False} if name != "fp32" else {"BN": 32}
+        vocab_ops.set_kernel_config(name, **changed)
+        assert vocab_ops.kernel_config(name) != saved
         vocab_ops.set_kernel_config(name, **saved)
         assert vocab_ops.kernel_config(name) == saved
-        assert saved["promote"] is False
+    assert vocab_ops.kernel_config("fwd")["promote"] is False
+
+
+def test_set_kernel_config_takes_only_what_a_user_sets(monkeypatch):
+    _own_configs(monkeypatch)
+    before = {name: dict(cfg) for name, cfg in vocab_ops._CONFIG.items()}
+    with pytest.raises(ValueError, match="'fwd_topk' has no settable G, passes; expected"):
+        vocab_ops.set_kernel_config("fwd_topk", BM=64, passes=0, G=4)
+    with pytest.raises(ValueError, match="'fp32' has no settable promote"):
+        vocab_ops.set_kernel_config("fp32", promote=True)
+    with pytest.raises(ValueError, match="unknown kernel config 'bwd_topk'"):
+        vocab_ops.set_kernel_config("bwd_topk", BM=64)
+    with pytest.raises(ValueError, match="unknown kernel config 'tiles'"):
+        vocab_ops.kernel_config("tiles")
+    # A rejected call changes nothing.
+    assert vocab_ops._CONFIG == before
+
+
+def test_kernel_path_without_triton_or_work_is_torch(monkeypatch):
+    h, w = torch.zeros(4, 8), torch.zeros(6, 8)
+    if vocab_ops._vocab_triton is not None:
+        assert vocab_ops._kernel_path("topk", h, w, 65) == "torch"
+        assert vocab_ops._kernel_path("stats", h[:0], w) == "torch"
+        assert vocab_ops._kernel_path("dlogits", h, w[:0]) == "torch"
+        # CPU tensors (the interpreter tests) cannot take the Gluon kernels.
+        assert vocab_ops._kernel_path("topk", h.half(), w.half(), 64) == "triton"
+    monkeypatch.setattr(vocab_ops, "_vocab_triton", None)
+    monkeypatch.setattr(vocab_ops, "_WARNED", set())
+    with pytest.warns(UserWarning, match="vocab_stats_backward: Triton unavailable"):
+        assert vocab_ops._kernel_path("dlogits", h, w) == "torch"
 
 
 @pytest.mark.skipif(vocab_ops._vocab_triton is None, reason="needs Triton")
 def test_split_model_follows_config_changes(monkeypatch):
     # The split count is memoised on the config values it reads: a change must reach it.
-    monkeypatch.setitem(vocab_ops._CONFIG, "fwd", vocab_ops.kernel_config("fwd"))
+    _own_configs(monkeypatch)
     before = vocab_ops.forward_splits(20436, 151936, 0, 132)
     assert vocab_ops.forward_splits(20436, 151936, 0, 132) == before
-    vocab_ops.set_kernel_config("fwd", ctas_per_sm=2)
+    vocab_ops._CONFIG["fwd"]["ctas_per_sm"] = 2
     assert (before, vocab_ops.forward_splits(20436, 151936, 0, 132)) == (33, 54)
     # With a top-k the model leaves out the ragged end (the merge grows with the splits).
     assert vocab_ops.forward_splits(20436, 151936, 20, 132) == 9
-    vocab_ops.set_kernel_config("fwd", splits=5)
+    vocab_ops._CONFIG["fwd"]["splits"] = 5
     assert vocab_ops.forward_splits(20436, 151936, 0, 132) == 5
     # Few row blocks may use more splits than the default cap of 64.
-    vocab_ops.set_kernel_config("fwd", splits=None, ctas_per_sm=1)
+    vocab_ops._CONFIG["fwd"].update(splits=None, ctas_per_sm=1)
     assert vocab_ops.forward_splits(100, 151936, 0, 132) > 64
     # fp32 inputs: the model sees their tile (64 x 64: 4 times the row blocks and tiles).
     fp32 = vocab_ops.forward_splits(20436, 151936, 0, 132, dtype=torch.float32)

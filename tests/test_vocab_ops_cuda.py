@@ -26,46 +26,26 @@ GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 
 
 @pytest.fixture
-def loading(request):
+def loading(request, monkeypatch):
     """Runs the test with the kernels loading operands through descriptors ("tma") or pointers,
-    or with descriptors and every schedule switched the other way round from the defaults
-    ("alt": forward tile loop flattened or not, top-k over grouped candidates or every element,
-    backward persistent or one tile per program, flattened or not, descriptor or pointer
-    stores, the Gluon forward and d_logits kernels or the Triton ones; "capped": grouped top-k
-    with a fixed number of selection passes per tile or as many as needed, the forward tile loop
-    flattened or not; "triton-topk": the top-k forward through the Triton kernel, which the
-    Gluon one replaces by default on Hopper)."""
-    saved = {k: vocab_ops.kernel_config(k) for k in ("fwd", "fwd_topk", "bwd")}
-    for key in saved:
-        vocab_ops.set_kernel_config(key, tma=request.param != "pointers")
+    or with descriptors and the switches turned from the defaults ("alt": the Triton forward and
+    d_logits kernels instead of the Gluon ones, the top-k over every element instead of grouped
+    candidates; "capped": grouped top-k with one selection pass per tile instead of three;
+    "triton-topk": the top-k forward through the Triton kernel, which the Gluon one replaces by
+    default on Hopper). The measured entries are changed in test-local copies of the configs."""
+    for key in ("fwd", "fwd_topk", "bwd"):
+        monkeypatch.setitem(vocab_ops._CONFIG, key, dict(vocab_ops._CONFIG[key]))
+        vocab_ops._CONFIG[key]["tma"] = request.param != "pointers"
     if request.param == "alt":
-        bwd = saved["bwd"]
-        vocab_ops.set_kernel_config(
-            "fwd",
-            flatten=not saved["fwd"].get("flatten"),
-            pingpong=not saved["fwd"].get("pingpong"),
-        )
-        vocab_ops.set_kernel_config("fwd_topk", grouped=not saved["fwd_topk"].get("grouped"))
-        vocab_ops.set_kernel_config(
-            "bwd",
-            persistent=not bwd.get("persistent"),
-            flatten=not bwd.get("flatten"),
-            tma_store=not bwd.get("tma_store"),
-            pingpong=not bwd.get("pingpong"),
-        )
+        for key in ("fwd", "bwd"):
+            vocab_ops.set_kernel_config(key, pingpong=not vocab_ops._CONFIG[key]["pingpong"])
+        vocab_ops._CONFIG["fwd_topk"]["grouped"] = not vocab_ops._CONFIG["fwd_topk"]["grouped"]
     if request.param == "triton-topk":
-        vocab_ops.set_kernel_config("fwd_topk", grouped=True, pingpong=False)
+        vocab_ops._CONFIG["fwd_topk"]["grouped"] = True
+        vocab_ops.set_kernel_config("fwd_topk", pingpong=False)
     if request.param == "capped":
-        topk = saved["fwd_topk"]
-        vocab_ops.set_kernel_config(
-            "fwd_topk",
-            grouped=True,
-            passes=0 if topk.get("passes") else 2,
-            flatten=not topk.get("flatten"),
-        )
-    yield request.param
-    for key, cfg in saved.items():
-        vocab_ops.set_kernel_config(key, **cfg)
+        vocab_ops._CONFIG["fwd_topk"].update(grouped=True, passes=1)
+    return request.param
 
 
 _HOPPER = pytest.mark.skipif(
@@ -190,8 +170,8 @@ def test_topk_exact_with_ties():
     assert torch.all(ids.sort(dim=1).values[:, 1:] != ids.sort(dim=1).values[:, :-1])
 
 
-@pytest.mark.parametrize("flatten,passes", [(False, 0), (True, 0), (True, 3)])
-def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, passes, monkeypatch):
+@pytest.mark.parametrize("passes", [1, 3])
+def test_grouped_topk_reselects_rows_whose_group_held_more(passes, monkeypatch):
     """Row 0's best columns all sit in one column group (columns j * 8 + 3 of the first 256-wide
     tile, with 8 groups per tile): grouped candidates offer two of them, so the row must be
     selected again over every element, and few other rows may be."""
@@ -200,7 +180,7 @@ def test_grouped_topk_reselects_rows_whose_group_held_more(flatten, passes, monk
     for rank, col in enumerate(best):
         weight[col] = (hidden[0].float() * (0.05 - 0.001 * rank)).to(torch.bfloat16)
     monkeypatch.setitem(vocab_ops._CONFIG, "fwd_topk", dict(vocab_ops._CONFIG["fwd_topk"]))
-    vocab_ops.set_kernel_config("fwd_topk", grouped=True, flatten=flatten, G=8, passes=passes)
+    vocab_ops._CONFIG["fwd_topk"].update(grouped=True, G=8, passes=passes)
     with reselected_rows(vocab_ops) as redone:
         _, _, _, values, ids = vocab_stats(hidden, weight, None, 8)
     logits = hidden.double() @ weight.double().t()
@@ -263,7 +243,7 @@ def test_logit_keys_tile_keeps_the_forward_bits(dtype):
     hidden, weight, _ = _inputs(100, 3001, 5120, dtype, 41)
     slots = vocab_ops._sm_count(hidden.device)
     for tma in (True, False):
-        cfg = dict(vocab_ops.kernel_config("fwd_topk"), tma=tma)
+        cfg = dict(vocab_ops._CONFIG["fwd_topk"], tma=tma)
         width = _vocab_triton.key_columns(3001, cfg)
         got = [torch.empty(100, width, dtype=torch.int64, device="cuda") for _ in range(2)]
         _vocab_triton.logit_keys(hidden, weight, got[0], cfg, slots)
@@ -486,7 +466,7 @@ def test_cuda_graph_capture_and_replay(ahead, monkeypatch):
         weight[col] = (best.float() * (0.1 - 0.002 * rank)).to(torch.bfloat16)
     hidden[[0, 3, 8]] = best
     monkeypatch.setitem(vocab_ops._CONFIG, "fwd_topk", dict(vocab_ops._CONFIG["fwd_topk"]))
-    vocab_ops.set_kernel_config("fwd_topk", grouped=True, reselect_ahead=ahead)
+    vocab_ops._CONFIG["fwd_topk"].update(grouped=True, reselect_ahead=ahead)
     g_s = torch.randn(500, generator=gen).cuda()
     ids = torch.randint(0, 3001, (500, 21), generator=gen).cuda()
     g_ids = torch.randn(500, 21, generator=gen).cuda()

@@ -28,10 +28,10 @@ fastest within a group) so the tiles in flight share operands in L2.
 
 The Gluon kernels' logits agree with the Triton ones to a few fp32 units in the last place
 (equal bits on most shapes; they issue 64x128 wgmma products, the Triton kernels 64x256).
-H200, bf16, H = 5,120 (RESULTS.md "Session 11", queued): the forward kernel alone 0.96-1.01
+H200, bf16, H = 5,120, queued behind other work: the forward kernel alone 0.96-1.01
 GEMMs (whole k = 0 call 0.98-1.04, the Triton one 0.97-1.07); d_logits over all slices
 1.01-1.09 against the Triton kernel's 1.07-1.13; the top-20 kernel alone 1.03-1.15 against
-1.11-1.19 (RESULTS.md "Session 13").
+1.11-1.19.
 
 Written in Gluon (``triton.experimental.gluon``, Triton's explicit-layout dialect, whose warp
 specialisation works on Hopper where Triton 3.6's automatic one does not), against the Triton
@@ -722,7 +722,7 @@ def launch_stats_pingpong(hidden, weight, target, part, slots, cfg=None):
 # The top-k forward: one consumer warpgroup's tile is 64 x 256 (as a warpgroup's share of the
 # Triton kernel's tile), its running top-k waiting in shared memory between tiles. H200, k = 20,
 # kernel alone, 8 splits: 1.08-1.15 GEMMs against 1.12-1.19 with the statistics kernel's 128 x
-# 128 tile (benchmarks/probe_pingpong.py --topk-splits, RESULTS.md "Session 13"). G: column
+# 128 tile. G: column
 # groups per tile (8: one thread holds a group in the wgmma accumulator layout); passes:
 # selection passes per tile (vocab_ops passes its "fwd_topk" entry); GROUP: row blocks per
 # launch group of the units.
@@ -731,7 +731,7 @@ TOPK_CONFIG = dict(CONFIG, BM=64, BN=256, GROUP=16, G=8, passes=3)
 # block across a run of column tiles and reads that block again for every tile, so the blocks in
 # flight (programs / splits) must stay in L2 (H200: 50 MB, also holding the weight tiles the
 # splits stream and the rings' prefetch). Measured at H = 5,120 (kernel alone, GEMMs): 8 splits,
-# 10.8 MB of rows in flight, 1.08-1.15; 1-2 splits, 43-84 MB, 1.07-1.30 (RESULTS.md "Session 13").
+# 10.8 MB of rows in flight, 1.08-1.15; 1-2 splits, 43-84 MB, 1.07-1.30.
 _L2_ROWS_BYTES = 11 * 2**20
 # Shared memory of one H200 block.
 _SMEM_BYTES = 227 * 1024

@@ -10,38 +10,37 @@ the few rows the grouped selection could have got wrong, from their logits' orde
   per-row statistics: max, sum of ``exp(logit - max)`` (rescaled when the max grows), the target's
   logit and an unsorted running top-k. Each program writes one partial result per row; a few torch
   ops combine the splits (``vocab_ops._combine_splits``).
-* ``_dlogits_kernel``: ``[BM, BN]`` tiles of a vocabulary slice, one per program or (persistent)
-  a fixed set of programs walking them. It recomputes the logits and writes ``d = g_s *
-  exp(logit - row_max) + (sum of grad_ids at ids equal to the column)`` rounded ONCE to the
-  output dtype; cuBLAS then forms dW and dH from it. With a flattened tile loop Triton starts the
-  next tile's operand loads during this tile's epilogue, and a descriptor store lets the copy
-  engine drain ``d`` while the next tile computes (H200: 1.35 -> 1.10 GEMMs for this kernel).
+* ``_dlogits_kernel``: ``[BM, BN]`` tiles of a vocabulary slice, walked by as many programs as
+  fit the device at once. It recomputes the logits and writes ``d = g_s * exp(logit - row_max) +
+  (sum of grad_ids at ids equal to the column)`` rounded ONCE to the output dtype; cuBLAS then
+  forms dW and dH from it. With the flattened tile loop Triton starts the next tile's operand
+  loads during this tile's epilogue, and a descriptor store lets the copy engine drain ``d``
+  while the next tile computes (H200: 1.35 -> 1.10 GEMMs for this kernel).
 
 Running top-k in the forward: a row keeps ``KP`` slots (a power of two; slots past ``K`` are
-never the minimum). The threshold is the row's smallest slot. Tiles with no logit above the
-threshold of any of their rows skip the selection with one scalar test. Candidates enter in
-descending (value, then lowest column) order, one per pass, each replacing the row's smallest
-slot, for ``max over rows(candidates above the threshold)`` passes. A pass is a chain of
-dependent reductions across the program's threads, so passes, not elements, set the cost.
-Two ways to choose the candidates:
+never the minimum). The threshold is the row's smallest slot. Candidates enter in descending
+(value, then lowest column) order, one per pass, each replacing the row's smallest slot. A pass
+is a chain of dependent reductions across the program's threads, so passes, not elements, set
+the cost. Two ways to choose the candidates:
 
-* every element of the tile (``GROUPED=False``): exact by construction; ~20 passes on a split's
-  first tiles.
-* grouped (``GROUPED=True``): columns ``j * G + b`` of a tile form group ``b``, which one thread
-  holds in the accumulator layout, so each group's two largest come from in-thread reductions.
-  Only those are offered (``2 G`` per row and tile), with slots and candidates as int64 order
-  keys (value, then column), so a pass is two reductions. The largest logit never offered is
-  kept per row; the rows where it reaches the k-th value are selected again over every
-  element (``vocab_ops._reselect_into``; otherwise the result is exact). With ``PASSES = P``
-  every tile gets exactly P passes, unrolled, and the largest candidate above the threshold
-  that they did not reach joins that check: a row only loses something when one tile holds
-  more than P of its top k. Without an inner loop of data-dependent length (or a
-  data-dependent branch) Triton fuses the flattened tile loop and loads the next tile's
-  operands during this tile's epilogue (H200, k = 20, P = 3: kernel 1.16-1.19 GEMMs against
-  1.24-1.32 with as many passes as needed, plain loop).
+* grouped (``GROUPED=True``, the default): columns ``j * G + b`` of a tile form group ``b``,
+  which one thread holds in the accumulator layout, so each group's two largest come from
+  in-thread reductions. Only those are offered (``2 G`` per row and tile), with slots and
+  candidates as int64 order keys (value, then column), so a pass is two reductions. Every tile
+  gets exactly ``PASSES`` passes, unrolled: with no inner loop of data-dependent length and no
+  data-dependent branch, Triton fuses the flattened tile loop and loads the next tile's
+  operands during this tile's epilogue (H200, k = 20, 3 passes: kernel 1.16-1.19 GEMMs against
+  1.24-1.32 with as many passes as needed). The largest logit never offered, and the largest
+  candidate above the threshold the passes did not reach, are kept per row; the rows where
+  that reaches the k-th value are selected again over every element
+  (``vocab_ops._reselect_into``; otherwise the result is exact).
+* every element of the tile (``GROUPED=False``: the exact re-selection over a row list, or
+  ``grouped`` configured off): exact by construction; as many passes as the row with the most
+  elements above its threshold needs (~20 on a split's first tiles), skipped on tiles where no
+  logit beats any row's threshold. Triton 3.6 cannot flatten this loop.
 
-Works with Triton 3.6 and 3.8 (plain pointer loads; no tensor descriptors), and under
-``TRITON_INTERPRET=1`` on CPU tensors for small shapes.
+Works with Triton 3.6 and 3.8, and under ``TRITON_INTERPRET=1`` on CPU tensors for small
+shapes.
 """
 
 from __future__ import annotations
@@ -56,14 +55,9 @@ _BIG = tl.constexpr(2147483647)
 
 @triton.jit
 def _tile_logits(
-    h_ptr,
-    w_ptr,
+    operands,
     rows_ld,
     cols_ld,
-    stride_h,
-    stride_w,
-    h_desc,
-    w_desc,
     row0,
     col0,
     H,
@@ -77,14 +71,17 @@ def _tile_logits(
 ):
     """fp32 ``[BM, BN]`` logits: hidden rows ``row0..`` dot weight rows ``col0..`` over ``H``.
 
-    With ``USE_TMA`` the tiles come through tensor descriptors (the copy engine zero-fills rows
-    past the end); otherwise through ``[BM, BK]`` / ``[BN, BK]`` pointer blocks at the int64
-    hidden rows ``rows_ld`` and weight rows ``cols_ld`` (callers keep them in range). With
-    ``PROMOTE`` each ``BK`` block's product is summed by the tensor cores from zero and added to the
-    running sum with ordinary (round-to-nearest) fp32 adds: the tensor cores' accumulation into a
-    large running sum is less exact than IEEE fp32 (measured: NOTES.md "Head kernels"), at the
-    cost of a second ``[BM, BN]`` fp32 tile in registers.
+    ``operands``: ``(h_ptr, w_ptr, h_desc, w_desc, stride_h, stride_w)``, as every kernel here
+    receives them. With ``USE_TMA`` the tiles come through the tensor descriptors (the copy
+    engine zero-fills rows past the end); otherwise through ``[BM, BK]`` / ``[BN, BK]`` pointer
+    blocks at the int64 hidden rows ``rows_ld`` and weight rows ``cols_ld`` (callers keep them in
+    range). With ``PROMOTE`` each ``BK`` block's product is summed by the tensor cores from zero
+    and added to the running sum with ordinary (round-to-nearest) fp32 adds: the tensor cores'
+    accumulation into a large running sum is less exact than IEEE fp32 (H200, H = 5,120: 4.4e-5
+    from fp64 against 2.4e-6 promoted), at the cost of a second ``[BM, BN]`` fp32 tile in
+    registers.
     """
+    h_ptr, w_ptr, h_desc, w_desc, stride_h, stride_w = operands
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     rk = tl.arange(0, BK)
     a_ptrs = h_ptr + rows_ld[:, None] * stride_h + rk[None, :]
@@ -199,13 +196,11 @@ def _offer_grouped(
     PASSES: tl.constexpr,
 ):
     """Offers each column group's two largest logits of the tile ``acc`` (first column ``col0``)
-    to the running top-k ``top_k`` (int64 order keys, row minimum ``thr_k``). Returns the updated
-    ``top_k``, ``thr_k``, ``bound`` (the largest logit not offered: a group's third or lower) and
-    ``drop`` (the largest offered one that the passes did not reach, above the row minimum).
-
-    ``PASSES = 0``: as many passes as the row with the most candidates above its minimum needs
-    (a loop with a data-dependent trip count). ``PASSES = P``: exactly P passes, unrolled, so a
-    flattened tile loop has no inner loop besides the matmul's and Triton can fuse it.
+    to the running top-k ``top_k`` (int64 order keys, row minimum ``thr_k``) in exactly
+    ``PASSES`` passes, unrolled: no inner loop of data-dependent length, so Triton can fuse the
+    flattened tile loop. Returns the updated ``top_k``, ``thr_k``, ``bound`` (the largest logit
+    not offered: a group's third or lower) and ``drop`` (the largest offered one that the passes
+    did not reach, above the row minimum).
     """
     v1, c1, v2, c2, beyond = _group_top2(acc, col0, BM, BN, G)
     bound = tl.maximum(bound, beyond)
@@ -214,17 +209,100 @@ def _offer_grouped(
     real = (cand_c < V) & (cand_v > float("-inf"))
     cand_k = tl.where(real, _order_key(cand_v, cand_c), _KEY_MIN)
     last_k = tl.full((BM,), _KEY_MAX, tl.int64)
-    if PASSES == 0:
-        above = tl.sum((cand_k > thr_k[:, None]).to(tl.int32), axis=1)
-        passes = tl.minimum(tl.max(above, axis=0), K)
-        for _ in range(passes):
-            top_k, thr_k, last_k = _insert_next(cand_k, last_k, top_k, thr_k)
-    else:
-        for _ in tl.static_range(PASSES):
-            top_k, thr_k, last_k = _insert_next(cand_k, last_k, top_k, thr_k)
-        rest = tl.max(tl.where(cand_k < last_k[:, None], cand_k, _KEY_MIN), axis=1)
-        drop = tl.maximum(drop, tl.where(rest > thr_k, _key_value(rest), float("-inf")))
+    for _ in tl.static_range(PASSES):
+        top_k, thr_k, last_k = _insert_next(cand_k, last_k, top_k, thr_k)
+    rest = tl.max(tl.where(cand_k < last_k[:, None], cand_k, _KEY_MIN), axis=1)
+    drop = tl.maximum(drop, tl.where(rest > thr_k, _key_value(rest), float("-inf")))
     return top_k, thr_k, bound, drop
+
+
+@triton.jit
+def _offer_every(acc, cols, tile_max, top_v, top_i, K: tl.constexpr, KP: tl.constexpr):
+    """Offers every element of the tile ``acc`` (columns ``cols``) to the running top-k values
+    ``top_v`` / columns ``top_i`` (``[BM, KP]``), one candidate per pass in (value descending,
+    column ascending) order, as many passes as the row with the most elements above its
+    smallest slot needs; tiles whose ``tile_max`` beats no row's smallest slot skip the passes.
+    Exact by construction. Returns the updated ``top_v``, ``top_i``."""
+    kcols = tl.arange(0, KP)
+    thr = tl.min(top_v, axis=1)
+    if tl.max((tile_max > thr).to(tl.int32), axis=0) > 0:
+        above = tl.sum((acc > thr[:, None]).to(tl.int32), axis=1)
+        passes = tl.minimum(tl.max(above, axis=0), K)
+        last_v = tl.full((acc.shape[0],), float("inf"), tl.float32)
+        last_c = tl.full((acc.shape[0],), -1, tl.int32)
+        for _ in range(passes):
+            # The next element after the last pick replaces the row's smallest slot when above it.
+            best_v, best_c = _pick_after(acc, cols, last_v, last_c, thr)
+            take = best_v > thr
+            slot = tl.min(tl.where(top_v == thr[:, None], kcols[None, :], KP), axis=1)
+            put = take[:, None] & (kcols[None, :] == slot[:, None])
+            top_v = tl.where(put, best_v[:, None], top_v)
+            top_i = tl.where(put, best_c[:, None], top_i)
+            thr = tl.min(top_v, axis=1)
+            last_v = best_v
+            last_c = best_c
+    return top_v, top_i
+
+
+@triton.jit
+def _program_block(pid, n, num_splits, BM: tl.constexpr, GROUP_R: tl.constexpr):
+    """The row block and the vocabulary split of program ``pid``. Programs that run together
+    share a few row blocks and a few splits, so the hidden rows and the weight tiles they stream
+    are read from DRAM about once per step and then hit L2."""
+    num_r = tl.cdiv(n, BM)
+    width = GROUP_R * num_splits
+    first_r = (pid // width) * GROUP_R
+    size_r = tl.minimum(num_r - first_r, GROUP_R)
+    local = pid % width
+    return first_r + local % size_r, local // size_r
+
+
+@triton.jit
+def _fold_stats(acc, m_i, s_i):
+    """Folds the tile ``acc`` into the rows' running max ``m_i`` and sum ``s_i`` of
+    ``exp(logit - max)`` (rescaled when the max grows); also returns the tile's row maxima."""
+    tile_max = tl.max(acc, axis=1)
+    m_new = tl.maximum(m_i, tile_max)
+    p = tl.exp2(acc * _LOG2E - (m_new * _LOG2E)[:, None])
+    s_i = s_i * tl.exp2((m_i - m_new) * _LOG2E) + tl.sum(p, axis=1)
+    return m_new, s_i, tile_max
+
+
+@triton.jit
+def _empty_keys(BM: tl.constexpr, KP: tl.constexpr, K: tl.constexpr):
+    """The running top-k of grouped candidates before any tile: ``[BM, KP]`` order keys. Empty
+    slots below K hold distinct keys under every real one; slots past K hold keys over every
+    real one, so they are never the row minimum."""
+    kcols = tl.arange(0, KP)
+    neg_inf = tl.full((BM, KP), float("-inf"), tl.float32)
+    slot = kcols[None, :].to(tl.int64)
+    empty = _order_key(neg_inf, tl.zeros((BM, KP), tl.int32)) - 0xFFFFFFFF + slot
+    return tl.where(kcols[None, :] < K, empty, -slot + _KEY_MAX)
+
+
+@triton.jit
+def _empty_slots(BM: tl.constexpr, KP: tl.constexpr, K: tl.constexpr):
+    """The running top-k over every element before any tile: ``[BM, KP]`` values (-inf) and
+    columns (-1). Slots past K hold +inf: never the row minimum, so never replaced, never
+    output."""
+    kcols = tl.arange(0, KP)
+    top_v = tl.where(kcols[None, :] < K, float("-inf"), float("inf")) + tl.zeros(
+        (BM, KP), tl.float32
+    )
+    return top_v, tl.zeros((BM, KP), tl.int32) - 1
+
+
+@triton.jit
+def _store_slots(topv_ptr, topi_ptr, split, rows, n, rmask, top_v, top_i, K: tl.constexpr):
+    """Stores a program's running top-k (``[BM, KP]`` values and int32 columns) as its split's
+    slots of ``[S, n, KP]``; slots past K as -inf."""
+    KP: tl.constexpr = top_v.shape[1]
+    kcols = tl.arange(0, KP)
+    out = (split * n + rows).to(tl.int64)[:, None] * KP + kcols[None, :]
+    tl.store(
+        topv_ptr + out, tl.where(kcols[None, :] < K, top_v, float("-inf")), mask=rmask[:, None]
+    )
+    tl.store(topi_ptr + out, top_i, mask=rmask[:, None])
 
 
 # Sizes that only bound loops or masks are not specialised on (no recompile per row count or
@@ -264,17 +342,7 @@ def _stats_fwd_kernel(
     PARTS: tl.constexpr,
     ROW_LIST: tl.constexpr = False,
 ):
-    # Programs that run together share a few row blocks and a few splits, so the hidden rows and
-    # the weight tiles they stream are read from DRAM about once per step and then hit L2.
-    pid = tl.program_id(0)
-    num_r = tl.cdiv(n, BM)
-    width = GROUP_R * num_splits
-    first_r = (pid // width) * GROUP_R
-    size_r = tl.minimum(num_r - first_r, GROUP_R)
-    local = pid % width
-    r = first_r + local % size_r
-    split = local // size_r
-
+    r, split = _program_block(tl.program_id(0), n, num_splits, BM, GROUP_R)
     rows = r * BM + tl.arange(0, BM)
     if ROW_LIST:
         # tgt_ptr holds int64 [1 + n]: a count c, then hidden row indices; output row j (j < c)
@@ -302,36 +370,22 @@ def _stats_fwd_kernel(
         tgt = tl.load(tgt_ptr + rows_ld)
         tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1).to(tl.int32)
     if KP > 0:
-        kcols = tl.arange(0, KP)
         if GROUPED:
-            # Slots hold order keys (``_order_key``). Empty slots below K hold distinct keys under
-            # every real one; slots past K hold keys over every real one: never the row minimum.
-            neg_inf = tl.full((BM, KP), float("-inf"), tl.float32)
-            slot = kcols[None, :].to(tl.int64)
-            empty = _order_key(neg_inf, tl.zeros((BM, KP), tl.int32)) - 0xFFFFFFFF + slot
-            top_k = tl.where(kcols[None, :] < K, empty, -slot + _KEY_MAX)
+            top_k = _empty_keys(BM, KP, K)
             thr_k = tl.min(top_k, axis=1)
             bound = tl.full((BM,), float("-inf"), tl.float32)
             drop = tl.full((BM,), float("-inf"), tl.float32)
         else:
-            # Slots past K hold +inf: never the row minimum, so never replaced, never output.
-            top_v = tl.where(kcols[None, :] < K, float("-inf"), float("inf")) + tl.zeros(
-                (BM, KP), tl.float32
-            )
-            top_i = tl.zeros((BM, KP), tl.int32) - 1
+            top_v, top_i = _empty_slots(BM, KP, K)
 
+    operands = (h_ptr, w_ptr, h_desc, w_desc, stride_h, stride_w)
     for tile in tl.range(tile_lo, tile_hi, flatten=FLATTEN):
         cols = tile * BN + tl.arange(0, BN)
         cols_ld = (cols % V).to(tl.int64)
         acc = _tile_logits(
-            h_ptr,
-            w_ptr,
+            operands,
             rows_ld,
             cols_ld,
-            stride_h,
-            stride_w,
-            h_desc,
-            w_desc,
             r * BM,
             tile * BN,
             H,
@@ -344,50 +398,18 @@ def _stats_fwd_kernel(
             PROMOTE,
         )
         acc = tl.where(cols[None, :] < V, acc, float("-inf"))
-
-        tile_max = tl.max(acc, axis=1)
-        m_new = tl.maximum(m_i, tile_max)
-        p = tl.exp2(acc * _LOG2E - (m_new * _LOG2E)[:, None])
-        s_i = s_i * tl.exp2((m_i - m_new) * _LOG2E) + tl.sum(p, axis=1)
-        m_i = m_new
-
+        m_i, s_i, tile_max = _fold_stats(acc, m_i, s_i)
         if HAS_TARGET:
-            if FLATTEN:
-                # A flattened loop takes no data-dependent branch: pick on every tile.
-                t_i += tl.sum(tl.where(cols[None, :] == tgt[:, None], acc, 0.0), axis=1)
-            else:
-                lo = tile * BN
-                here = (tgt >= lo) & (tgt < lo + BN)
-                if tl.max(here.to(tl.int32), axis=0) > 0:
-                    pick = tl.where(cols[None, :] == tgt[:, None], acc, 0.0)
-                    t_i += tl.sum(pick, axis=1)
-
-        if KP > 0 and GROUPED:
-            # A flattened loop offers on every tile: no data-dependent branch there (Triton 3.6's
-            # loop fusion fails on one). Otherwise tiles with nothing above the threshold skip.
-            if FLATTEN or tl.max((tile_max > _key_value(thr_k)).to(tl.int32), axis=0) > 0:
+            # Picked on every tile: a data-dependent branch would keep Triton from fusing the
+            # flattened loop.
+            t_i += tl.sum(tl.where(cols[None, :] == tgt[:, None], acc, 0.0), axis=1)
+        if KP > 0:
+            if GROUPED:
                 top_k, thr_k, bound, drop = _offer_grouped(
                     acc, tile * BN, V, top_k, thr_k, bound, drop, K, BM, BN, G, PASSES
                 )
-        elif KP > 0:
-            thr = tl.min(top_v, axis=1)
-            if tl.max((tile_max > thr).to(tl.int32), axis=0) > 0:
-                above = tl.sum((acc > thr[:, None]).to(tl.int32), axis=1)
-                passes = tl.minimum(tl.max(above, axis=0), K)
-                last_v = tl.full((BM,), float("inf"), tl.float32)
-                last_c = tl.full((BM,), -1, tl.int32)
-                for _ in range(passes):
-                    # Next element in (value descending, column ascending) order after the
-                    # last pick; it replaces the row's smallest slot when above it.
-                    best_v, best_c = _pick_after(acc, cols, last_v, last_c, thr)
-                    take = best_v > thr
-                    slot = tl.min(tl.where(top_v == thr[:, None], kcols[None, :], KP), axis=1)
-                    put = take[:, None] & (kcols[None, :] == slot[:, None])
-                    top_v = tl.where(put, best_v[:, None], top_v)
-                    top_i = tl.where(put, best_c[:, None], top_i)
-                    thr = tl.min(top_v, axis=1)
-                    last_v = best_v
-                    last_c = best_c
+            else:
+                top_v, top_i = _offer_every(acc, cols, tile_max, top_v, top_i, K, KP)
 
     rmask = rows < n_out
     base = part_ptr + split * PARTS * n + rows
@@ -402,11 +424,7 @@ def _stats_fwd_kernel(
             top_i = _key_col(top_k)
             # Empty slots decode to -inf and a negative column.
             top_i = tl.where((top_i >= 0) & (top_i < V), top_i, -1)
-        out = (split * n + rows).to(tl.int64)[:, None] * KP + kcols[None, :]
-        tl.store(
-            topv_ptr + out, tl.where(kcols[None, :] < K, top_v, float("-inf")), mask=rmask[:, None]
-        )
-        tl.store(topi_ptr + out, top_i, mask=rmask[:, None])
+        _store_slots(topv_ptr, topi_ptr, split, rows, n, rmask, top_v, top_i, K)
 
 
 @triton.jit(
@@ -443,17 +461,18 @@ def _dlogits_kernel(
     IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
     PROMOTE: tl.constexpr,
-    FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr,
 ):
-    # Program p takes tiles p, p + num_progs, ... of the slice (one tile each when num_progs is
-    # the tile count), numbered in grouped order: row blocks fastest within a group of GROUP_R,
-    # so the programs running together share their hidden rows and weight tiles in L2.
+    # Program p takes tiles p, p + num_progs, ... of the slice (num_progs: the programs that fit
+    # the device at once), numbered in grouped order: row blocks fastest within a group of
+    # GROUP_R, so the programs running together share their hidden rows and weight tiles in L2.
+    # The flattened loop starts the next tile's operand loads during this tile's epilogue.
     pid = tl.program_id(0)
     num_r = tl.cdiv(n, BM)
     num_c = tl.cdiv(width, BN)
     per_group = GROUP_R * num_c
-    for t in tl.range(pid, num_r * num_c, num_progs, flatten=FLATTEN):
+    operands = (h_ptr, w_ptr, h_desc, w_desc, stride_h, stride_w)
+    for t in tl.range(pid, num_r * num_c, num_progs, flatten=True):
         first_r = (t // per_group) * GROUP_R
         size_r = tl.minimum(num_r - first_r, GROUP_R)
         r = first_r + (t % per_group) % size_r
@@ -465,14 +484,9 @@ def _dlogits_kernel(
         cols = v0 + local_cols
         cols_ld = (cols % V).to(tl.int64)
         acc = _tile_logits(
-            h_ptr,
-            w_ptr,
+            operands,
             rows_ld,
             cols_ld,
-            stride_h,
-            stride_w,
-            h_desc,
-            w_desc,
             r * BM,
             v0 + c * BN,
             H,
@@ -667,6 +681,7 @@ def _logit_keys_kernel(
     # limit, with Triton 3.6 for sm_90.)
     pid = tl.program_id(0)
     num_r = tl.cdiv(n, BM)
+    operands = (h_ptr, w_ptr, h_desc, w_desc, stride_h, stride_w)
     for t in range(pid, num_r * tl.cdiv(V, BN), num_progs):
         r = t % num_r
         c = t // num_r
@@ -675,14 +690,9 @@ def _logit_keys_kernel(
         cols = c * BN + tl.arange(0, BN)
         cols_ld = (cols % V).to(tl.int64)
         acc = _tile_logits(
-            h_ptr,
-            w_ptr,
+            operands,
             rows_ld,
             cols_ld,
-            stride_h,
-            stride_w,
-            h_desc,
-            w_desc,
             r * BM,
             c * BN,
             H,
@@ -753,14 +763,13 @@ def choose_splits(
     tiles need up to ``k`` selection passes each, later ones one or two. A simulation on random
     logits (128 rows, 256 columns, k = 20) gives about ``2.2 * k * sqrt(L)`` passes per split of
     ``L`` tiles; one pass over a whole tile costs about 5% of its matmul (H200, H = 5120), one
-    over grouped candidates about 1% (``pass_cost``; session 4 probe). Starting a program
-    (pipeline fill, partial-result stores) is counted as a quarter tile. ``ragged_end``: the waves
-    do not run in lockstep; programs finish at scattered times, and the launch ends about one
-    program's length after its work would fill the slots evenly, so one program is counted on
-    top (H200, ``benchmarks/probe_splits.py``, the kernel alone: with it the model picks the
-    fastest measured split count, or one within 0.5% of it, at all four benchmark shapes with
-    and without a top-k; without it, counts 1-5% slower at three of them). Ties go to fewer
-    splits.
+    over grouped candidates about 1% (``pass_cost``). Starting a program (pipeline fill,
+    partial-result stores) is counted as a quarter tile. ``ragged_end``: the waves do not run in
+    lockstep; programs finish at scattered times, and the launch ends about one program's length
+    after its work would fill the slots evenly, so one program is counted on top (H200, the
+    kernel alone: with it the model picks the fastest measured split count, or one within 0.5%
+    of it, at all four benchmark shapes with and without a top-k; without it, counts 1-5% slower
+    at three of them). Ties go to fewer splits.
     """
     best, best_cost = 1, None
     for splits in range(1, max(1, min(tiles, max_splits)) + 1):
@@ -800,6 +809,7 @@ def launch_stats_fwd(
     use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight) and row_list is None
     h_desc, w_desc = _descriptors(hidden, weight, bm, bn, bk, use_tma)
     assert row_list is None or target is None, "a row-list launch takes no target"
+    assert not (grouped and k) or cfg["passes"] >= 1, "grouped candidates take passes >= 1"
     # A row list travels in the target's slot; with neither, the slot gets an unused pointer.
     slot = row_list if row_list is not None else target if target is not None else hidden
     _stats_fwd_kernel[grid](
@@ -830,7 +840,7 @@ def launch_stats_fwd(
         USE_TMA=use_tma,
         PROMOTE=bool(cfg.get("promote")),
         # Triton 3.6 cannot flatten a tile loop holding the every-element selection passes.
-        FLATTEN=bool(cfg.get("flatten")) and not (k and not grouped),
+        FLATTEN=not (k and not grouped),
         GROUPED=bool(grouped and k),
         G=cfg.get("G", 8),
         PASSES=int(cfg.get("passes", 0)),
@@ -841,20 +851,22 @@ def launch_stats_fwd(
     )
 
 
-def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d, v0, cfg, slots=0):
+def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d, v0, cfg, slots):
     """Writes ``d[:, :width]`` (a ``[n, width]`` view) for vocabulary columns ``v0 .. v0+width``.
 
-    With ``cfg["persistent"]`` and ``slots`` (programs that fit the device at once) the grid is
-    ``min(tiles, slots)`` programs walking the tiles; otherwise one program per tile.
+    ``min(tiles, slots)`` programs (``slots``: the programs that fit the device at once) walk the
+    slice's tiles. ``d`` is stored through a tensor descriptor where the copy engine can address
+    it and the operands are loaded that way too (H200: 1.35 -> 1.10 GEMMs with the flattened
+    loop and the persistent grid), else through pointers.
     """
     n, h = hidden.shape
     width = d.shape[1]
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles = triton.cdiv(n, bm) * triton.cdiv(width, bn)
-    progs = min(tiles, slots) if cfg.get("persistent") and slots else tiles
+    progs = max(1, min(tiles, slots))
     use_tma = bool(cfg.get("tma")) and tma_ok(hidden, weight)
     h_desc, w_desc = _descriptors(hidden, weight, bm, bn, bk, use_tma)
-    tma_store = bool(cfg.get("tma_store")) and use_tma and _tma_ok_tensor(d)
+    tma_store = use_tma and _tma_ok_tensor(d)
     if tma_store:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -892,7 +904,6 @@ def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d,
         IEEE=hidden.dtype.itemsize == 4,
         USE_TMA=use_tma,
         PROMOTE=bool(cfg.get("promote")),
-        FLATTEN=bool(cfg.get("flatten")),
         TMA_STORE=tma_store,
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
@@ -901,8 +912,8 @@ def launch_dlogits(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d,
 
 def _selection_shape(width: int):
     """Rows per program and warps for a K-pass selection over ``width`` keys a row: ~8 keys a
-    thread (the passes' cost is keys times passes; fewer keys a thread ran faster on the H200:
-    RESULTS.md "Session 6")."""
+    thread (the passes' cost is keys times passes: on the H200, ~8 keys a thread ran 3-10x faster
+    than 64)."""
     warps = max(1, min(8, width // 256))
     return max(1, 256 * warps // width), warps
 

@@ -42,7 +42,7 @@ in slices: each slice's ``grad_weight`` rows are one product over all ``n`` rows
 ``grad_hidden`` is summed over the slices in an fp32 ``[n, H]`` accumulator, so no bf16 partial
 sum is ever added to.
 
-Paths:
+Paths (``_kernel_path`` picks the CUDA one):
     * CPU: torch, on inputs upcast to fp32 (bf16 and fp16 products are exact in fp32), exact and
       deterministic; the reference for the GPU path.
     * CUDA: Triton kernels (``_vocab_triton``). The forward is one fused matmul whose epilogue
@@ -57,8 +57,7 @@ Paths:
       syncs, so CUDA graphs capture it. With ``k > 0`` the forward's top-k is taken over grouped
       candidates; the rows where that could miss something (random logits, k = 20: 0.01-0.1% of
       rows) are selected again over every element, with launches that do not depend on how many
-      rows that is (``_reselect_into``: the host never reads it). ``set_kernel_config("fwd_topk",
-      grouped=False)`` selects over every element from the start (exact, slower).
+      rows that is (``_reselect_into``: the host never reads it).
     * CUDA fallback: ``k > 64`` in the forward (the kernel keeps the running top-k in
       registers) runs the torch path on the GPU, on cuBLAS logits with fp32 output, in chunks of
       rows; so does everything when Triton cannot be imported (one warning).
@@ -108,48 +107,58 @@ _LISTED_BYTES = 64 << 20
 # the sparse tail of a row's logits, so it lets few extra keys through.
 _FLOOR_MARGIN = (1e-3, 1e-4)
 
-# Tile configurations of the Triton kernels (H200 sweep in NOTES.md "Head kernels").
-# ctas_per_sm: how many programs of this config fit on one SM (shared memory), for the wave model
-# that picks the number of vocabulary splits.
-# All three share one tile: 128x256x64, 8 warps, 3 stages, operands through tensor descriptors
-# (fp16 / bf16 inputs; fp32 inputs take the "fp32" entries instead).
-# The switches are spelled out so that restoring a saved copy with set_kernel_config undoes them.
+# Kernel configurations, chosen on an H200 (bf16, H = 5,120): the Triton kernels' tile
+# (128x256x64, 8 warps, 3 stages, operands through tensor descriptors for fp16 / bf16; fp32
+# inputs take the "fp32" tile instead), and whether the warp-specialised Gluon kernels of
+# _vocab_gluon (their own tiles) run where they can (pingpong). set_kernel_config changes the
+# keys in _USER_KEYS; the others are measured choices:
+#   ctas_per_sm: programs of the tile that fit one SM (shared memory), for the split model.
+#   GROUP: row blocks per launch group (programs running together share L2; 4 or 16 instead of 8
+#     in the forward: never more than 0.01 GEMMs faster, up to 0.10 slower).
+#   tma: load the operands through tensor descriptors where the copy engine can address them.
+#   grouped, G, passes: the top-k takes each of G column groups' two largest logits per tile as
+#     candidates, in exactly `passes` selection passes per tile (kernel 1.16-1.19 GEMMs, against
+#     1.24-1.32 with as many passes as needed, which keeps Triton from fusing the tile loop).
+#   pass_cost: one grouped selection pass in tiles of matmul, for the split model.
+#   reselect_ahead: flagged rows re-selected through logit keys before the row-list launch.
+#   splits (absent: the split model): vocabulary splits per row block of the forward.
 _TILE = dict(
     BM=128, BN=256, BK=64, warps=8, stages=3, ctas_per_sm=1, tma=True, promote=False, pingpong=False
 )
 _CONFIG = {
-    # pingpong: the warp-specialised Gluon kernels of _vocab_gluon (their own tiles) where they
-    # run; the entries before it configure the Triton kernels, used otherwise.
-    "fwd": dict(_TILE, GROUP=8, flatten=True, pingpong=True),
-    # passes: selection passes per tile (0: as many as the tile needs, in a loop that keeps Triton
-    # from fusing the tile loop); pass_cost: one pass in tiles of matmul, for the split model.
-    # reselect_ahead: how many flagged rows are re-selected through logit keys (one read of the
-    # weight for all of them); any further ones go to the every-element kernel (_reselect_into).
+    "fwd": dict(_TILE, GROUP=8, pingpong=True),
     "fwd_topk": dict(
         _TILE,
         GROUP=8,
         grouped=True,
+        # The Gluon top-k kernel has its own 64 x 256 tile; its column groups must be these G.
         G=8,
-        flatten=True,
         passes=3,
         pass_cost=0.01,
         reselect_ahead=128,
-        # The Gluon top-k kernel (its own 64 x 256 tile and G, which G here must match; passes
-        # from here); H200: RESULTS.md "Session 13".
         pingpong=True,
     ),
-    "bwd": dict(_TILE, GROUP=16, persistent=True, flatten=True, tma_store=True, pingpong=True),
+    "bwd": dict(_TILE, GROUP=16, pingpong=True),
     # fp32 inputs: replaces the tile entries of the three above. Their products run on the CUDA
     # cores (IEEE fp32 fmas), where Triton 3.6 takes ~150 s to build the 128x256 forward with a
     # top-k (it spills heavily) and ~8 s for this tile. The forward, the logit keys and the row
-    # list all take it, so the re-selection still gives the forward's bits (GPU test).
+    # list all take it, so the re-selection still gives the forward's bits.
     "fp32": dict(BM=64, BN=64, BK=32, warps=4, stages=3, tma=False),
+}
+_TILE_KEYS = ("BM", "BN", "BK", "warps", "stages")
+_USER_KEYS = {
+    "fwd": _TILE_KEYS + ("promote", "pingpong"),
+    "fwd_topk": _TILE_KEYS + ("promote", "pingpong"),
+    "bwd": _TILE_KEYS + ("promote", "pingpong"),
+    "fp32": _TILE_KEYS,
 }
 
 
 def kernel_config(name: str) -> dict:
-    """A copy of the tile configuration ``name`` ("fwd", "fwd_topk", "bwd" or "fp32")."""
-    return dict(_CONFIG[name])
+    """The settable entries of kernel configuration ``name`` ("fwd", "fwd_topk", "bwd" or
+    "fp32"), as a new dict: ``set_kernel_config(name, **saved)`` restores a saved copy."""
+    _check_config_name(name)
+    return {key: _CONFIG[name][key] for key in _USER_KEYS[name]}
 
 
 def _config(name: str, dtype: torch.dtype) -> dict:
@@ -159,24 +168,32 @@ def _config(name: str, dtype: torch.dtype) -> dict:
     return _CONFIG[name]
 
 
-def set_kernel_config(name: str, **cfg) -> None:
-    """Overrides entries of tile configuration ``name`` (benchmarks sweep with this).
-
-    Keys: BM, BN, BK (tile), warps, stages, GROUP (row blocks per launch group), ctas_per_sm,
-    splits (forward: vocabulary splits per row block, or None for the cost model), tma (load
-    operands through tensor descriptors where possible), promote (sum each BK block's product with
-    IEEE fp32 adds: more exact logits, slower; see ``_vocab_triton._tile_logits``), flatten (let
-    Triton pipeline the operand loads across consecutive tiles of one program), persistent ("bwd":
-    one program per slot walking the tiles), tma_store ("bwd": ``d_logits`` written through a
-    tensor descriptor), pingpong ("fwd", "fwd_topk", "bwd": the warp-specialised Gluon kernels
-    of ``_vocab_gluon`` where they run, else the Triton ones; "fwd_topk" needs grouped
-    candidates and a fixed number of passes); "fwd_topk" only: grouped (candidates per column
-    group, or every element), G (column groups per tile), passes (selection passes per tile, 0:
-    as many as needed), pass_cost (split model), reselect_ahead (see ``_reselect_into``); "fp32":
-    the tile entries that replace the others' for fp32 inputs.
-    """
+def _check_config_name(name) -> None:
     if name not in _CONFIG:
         raise ValueError(f"unknown kernel config {name!r}; expected one of {sorted(_CONFIG)}")
+
+
+def set_kernel_config(name: str, **cfg) -> None:
+    """Overrides entries of kernel configuration ``name`` for every later call (process-wide).
+
+    ``name``: "fwd" (the forward without a top-k), "fwd_topk" (with one), "bwd" (the backward's
+    ``d_logits``) or "fp32" (the tile that replaces the others' for fp32 inputs). Keys: BM, BN,
+    BK (the Triton kernels' tile), warps, stages; and, except for "fp32", promote (sum each BK
+    block's product with IEEE fp32 adds: logits 2.4e-6 from fp64 instead of 4.4e-5, at about
+    1.8x the forward time; only the Triton kernels do this, see ``_vocab_triton._tile_logits``)
+    and pingpong (where they can run, the warp-specialised Gluon kernels of ``_vocab_gluon``
+    rather than the Triton ones; False keeps the Triton kernels).
+
+    Raises:
+        ValueError: on an unknown ``name`` or key.
+    """
+    _check_config_name(name)
+    unknown = sorted(set(cfg) - set(_USER_KEYS[name]))
+    if unknown:
+        raise ValueError(
+            f"kernel config {name!r} has no settable {', '.join(unknown)}; "
+            f"expected some of {', '.join(_USER_KEYS[name])}"
+        )
     _CONFIG[name].update(cfg)
 
 
@@ -380,6 +397,41 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _kernel_path(kernel: str, hidden: torch.Tensor, weight: torch.Tensor, k: int = 0) -> str:
+    """Which implementation runs ``kernel`` on CUDA inputs: "gluon", "triton" or "torch".
+
+    ``kernel``: "stats" (the forward without a top-k), "topk" (the forward with top-k ``k``) or
+    "dlogits" (the backward's ``d_logits``). The one place the choice is made:
+
+    * "torch" (``_stats_torch`` / ``_backward_torch`` on cuBLAS products): Triton cannot be
+      imported (warned once), an empty product, or ``k > 64`` (the kernels keep the running
+      top-k in registers);
+    * "gluon" (the warp-specialised Hopper kernels of ``_vocab_gluon``): configured
+      (``pingpong``), no ``promote`` (only the Triton kernels add blocks with IEEE fp32),
+      operands the copy engine can load (bf16 / fp16 on the GPU, 16-byte aligned rows), and
+      the kernel builds for this device and dtype (Hopper; tried once, warned on failure); the
+      top-k also needs the grouped selection over the Gluon kernel's column groups;
+    * "triton" (``_vocab_triton``): everything else: fp32 inputs, ``promote``, unaligned
+      operands, other GPUs.
+    """
+    if _vocab_triton is None:
+        op = "vocab_stats_backward" if kernel == "dlogits" else "vocab_stats"
+        _warn_once(op, f"Triton unavailable ({_TRITON_ERROR})")
+        return "torch"
+    if hidden.shape[0] == 0 or weight.shape[0] == 0 or k > _KERNEL_MAX_K:
+        return "torch"
+    cfg = _config({"stats": "fwd", "topk": "fwd_topk", "dlogits": "bwd"}[kernel], hidden.dtype)
+    if not cfg["pingpong"] or cfg["promote"] or not cfg["tma"] or _vocab_gluon is None:
+        return "triton"
+    if kernel == "topk" and not (cfg["grouped"] and cfg["G"] == _vocab_gluon.TOPK_CONFIG["G"]):
+        return "triton"
+    # The kernels read row-major copies of operands that are not (see _stats_kernel).
+    loadable = hidden.is_cuda and _vocab_triton.tma_ok(_row_major(hidden), _row_major(weight))
+    if loadable and _vocab_gluon.builds(hidden.device, hidden.dtype, kernel, k):
+        return "gluon"
+    return "triton"
+
+
 def forward_splits(
     n: int,
     vocab: int,
@@ -419,9 +471,9 @@ def _splits_for(n, vocab, k, slots, grouped, bm, bn, pass_cost, passes):
     # number of them per tile costs the same whatever the split, like no top-k at all.
     extra = {"pass_cost": pass_cost} if grouped and pass_cost is not None else {}
     # The ragged end favours many short programs, but with a top-k every split adds k slots a
-    # row to the merge, which the model does not count: measured (H200, RESULTS.md "Session 8"),
-    # the top-20 call at 8,192 x 37,984 ran 0.04-0.06 GEMMs slower with the 30 splits it then
-    # picked than with 2, so the top-k is modelled without it.
+    # row to the merge, which the model does not count: measured on an H200, the top-20 call at
+    # 8,192 x 37,984 ran 0.04-0.06 GEMMs slower with the 30 splits it then picked than with 2,
+    # so the top-k is modelled without it.
     extra["ragged_end"] = not k
     if grouped and passes:
         k = 0
@@ -451,39 +503,11 @@ def _split_buffers(splits: int, parts: int, n: int, k: int, device):
     )
 
 
-def _pingpong(hidden, weight, cfg, kernel: str, k: int = 0) -> bool:
-    """Whether ``kernel`` ("stats": the forward without a top-k, "topk": with one, "dlogits": the
-    backward's d_logits) runs as the warp-specialised Gluon kernel of ``_vocab_gluon``
-    (configured, a Hopper GPU, bf16 / fp16 operands the copy engine can load, Gluon builds it)
-    rather than the Triton one. ``promote`` keeps the Triton kernel: only it has the IEEE-added
-    accumulation."""
-    return (
-        bool(cfg.get("pingpong"))
-        and not cfg.get("promote")
-        and bool(cfg.get("tma"))
-        and _vocab_gluon is not None
-        and hidden.is_cuda
-        and _vocab_triton.tma_ok(hidden, weight)
-        and _vocab_gluon.builds(hidden.device, hidden.dtype, kernel, k)
-    )
-
-
-def _gluon_topk(hidden, weight, cfg, grouped, k) -> bool:
-    """Whether the forward with top-k ``k`` runs as the warp-specialised Gluon kernel: only it
-    has the grouped selection with a fixed number of passes per tile, over its own column
-    groups."""
-    return (
-        bool(grouped)
-        and bool(cfg.get("passes"))
-        and _vocab_gluon is not None
-        and cfg.get("G") == _vocab_gluon.TOPK_CONFIG["G"]
-        and _pingpong(hidden, weight, cfg, "topk", k)
-    )
-
-
-def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
-    """The forward kernel (Triton, or Gluon where ``_pingpong`` says so) plus the tiny combine
-    of its partial results (per split, or per column tile for the Gluon k = 0 kernel).
+def _stats_kernel(hidden, weight, target, k, slots, grouped=None, gluon=False):
+    """The forward kernel (``gluon``: the Gluon one, else the Triton one; ``_kernel_path``
+    chooses) plus the tiny combine of its partial results (per split, or per column tile for the
+    Gluon k = 0 kernel). ``grouped``: the top-k over grouped candidates or over every element
+    (Triton only); None for the configured one.
 
     With grouped top-k candidates (see ``_vocab_triton._offer_grouped``) the merged top-k is
     exact unless a logit left out of the selection (a column group's third largest or lower in a
@@ -495,7 +519,7 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
     n, vocab = hidden.shape[0], weight.shape[0]
     cfg = _config("fwd_topk" if k else "fwd", hidden.dtype)
     hidden, weight = _row_major(hidden), _row_major(weight)
-    if not k and _pingpong(hidden, weight, cfg, "stats"):
+    if gluon and not k:
         part = torch.empty(
             _vocab_gluon.stats_tiles(vocab), 3, n, dtype=torch.float32, device=hidden.device
         )
@@ -503,7 +527,7 @@ def _stats_kernel(hidden, weight, target, k, slots, grouped=None):
         return _combine_splits(part, None, None, 0, vocab)[:5]
     if grouped is None:
         grouped = _grouped_topk(k)
-    if k and _gluon_topk(hidden, weight, cfg, grouped, k):
+    if gluon and grouped:
         row_bytes = hidden.shape[1] * hidden.element_size()
         splits = _vocab_gluon.topk_splits(n, vocab, slots, row_bytes)
         part, top_v, top_i = _vocab_gluon.topk_buffers(n, vocab, k, splits, hidden.device)
@@ -618,26 +642,35 @@ def _combine_splits(part, top_v, top_i, k, vocab):
 
 
 def _stats_cuda(hidden, weight, target, k, chunk_size):
-    n, vocab = hidden.shape[0], weight.shape[0]
-    if _vocab_triton is None:
-        _warn_once("vocab_stats", f"Triton unavailable ({_TRITON_ERROR})")
+    path = _kernel_path("topk" if k else "stats", hidden, weight, k)
+    if path == "torch":
         return _stats_torch(hidden, weight, target, k, chunk_size)
-    if n == 0 or vocab == 0 or k > _KERNEL_MAX_K:
-        return _stats_torch(hidden, weight, target, k, chunk_size)
-    return _stats_kernel(hidden, weight, target, k, _sm_count(hidden.device))
+    slots = _sm_count(hidden.device)
+    return _stats_kernel(hidden, weight, target, k, slots, gluon=path == "gluon")
 
 
 def _backward_kernel(
-    hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w, main_grad
+    hidden,
+    weight,
+    row_max,
+    grad_sum,
+    ids,
+    grad_ids,
+    chunk_size,
+    want_h,
+    want_w,
+    main_grad,
+    gluon=False,
 ):
+    """The backward on the kernels: per vocabulary slice, the ``d_logits`` kernel (``gluon``:
+    the Gluon one, else the Triton one; ``_kernel_path`` chooses), then cuBLAS products."""
     n, vocab = hidden.shape[0], weight.shape[0]
     grad_h, grad_w = _backward_outputs(hidden, weight, want_h, want_w, main_grad)
     if n == 0 or vocab == 0 or not (want_h or want_w):
         return grad_h, grad_w
     cfg = _config("bwd", hidden.dtype)
     hidden, weight = _row_major(hidden), _row_major(weight)
-    pingpong = _pingpong(hidden, weight, cfg, "dlogits")
-    bn = _vocab_gluon.CONFIG["BN"] if pingpong else cfg["BN"]
+    bn = _vocab_gluon.CONFIG["BN"] if gluon else cfg["BN"]
     width = _slice_width(n, vocab, chunk_size, hidden.element_size(), bn)
     # Programs of a persistent d_logits launch; CPU tensors only reach here under Triton's
     # interpreter (tests), where a few programs exercise the tile walk.
@@ -653,7 +686,7 @@ def _backward_kernel(
         keys, order = torch.where(inside, ids, vocab).to(torch.int32).sort(dim=1)
         key_grads = grad_ids.float().gather(1, order)
     row_max = row_max.float().contiguous()
-    grad_sum_exp = grad_sum_exp.float().contiguous()
+    grad_sum = grad_sum.float().contiguous()
 
     # Rows padded to 16 bytes, so the copy engine can store any slice's d_logits.
     pitch = -(-width * hidden.element_size() // 16) * 16 // hidden.element_size()
@@ -671,8 +704,8 @@ def _backward_kernel(
         edges = (edges_base[: tiles + 1] + v0).clamp_(max=v1)
         pos = torch.searchsorted(keys, edges.expand(n, tiles + 1).contiguous(), out_int32=True)
         d = d_buf[:, : v1 - v0]
-        args = (hidden, weight, row_max, grad_sum_exp, keys, key_grads, pos, d, v0)
-        if pingpong:
+        args = (hidden, weight, row_max, grad_sum, keys, key_grads, pos, d, v0)
+        if gluon:
             _vocab_gluon.launch_dlogits_pingpong(*args, _sm_count(hidden.device))
         else:
             _vocab_triton.launch_dlogits(*args, cfg, slots)
@@ -697,10 +730,10 @@ def _backward_cuda(
     hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w, main_grad
 ):
     args = (hidden, weight, row_max, grad_sum_exp, ids, grad_ids, chunk_size, want_h, want_w)
-    if _vocab_triton is None:
-        _warn_once("vocab_stats_backward", f"Triton unavailable ({_TRITON_ERROR})")
+    path = _kernel_path("dlogits", hidden, weight)
+    if path == "torch":
         return _backward_torch(*args, main_grad)
-    return _backward_kernel(*args, main_grad)
+    return _backward_kernel(*args, main_grad, gluon=path == "gluon")
 
 
 _lib.impl("vocab_stats", _stats_torch, "CPU")
