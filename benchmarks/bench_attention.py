@@ -45,7 +45,7 @@ sys.path.insert(0, str(_ROOT))
 
 from megatron.context_parallel import ContextParallelPlan, _attention_cudnn  # noqa: E402
 from megatron.context_parallel.attention_runs import AttentionRuns  # noqa: E402
-from megatron.context_parallel.fused_attention import compact_keys, fused_attention  # noqa: E402
+from megatron.context_parallel.fused_attention import fused_attention  # noqa: E402
 
 HEADS, GROUPS, DIM = 40, 8, 128
 GiB = float(1 << 30)
@@ -232,7 +232,7 @@ class Case:
         _attention_cudnn.shared_keys_in_backward = shared
         q = self.query.detach().requires_grad_(backward)
         kv = self.kv_slots.detach().requires_grad_(backward)
-        out = fused_attention(q, compact_keys(kv, self.runs), self.runs, DIM**-0.5)
+        out = fused_attention(q, kv, self.runs, DIM**-0.5)
         if backward:
             out.backward(self.grad)
             return out, q.grad, kv.grad

@@ -16,7 +16,7 @@ from _dist import run_distributed
 from megatron.context_parallel import ContextParallelPlan
 from megatron.context_parallel import _attention_cudnn as cudnn_kernel
 from megatron.context_parallel.attention_runs import AttentionRuns
-from megatron.context_parallel.fused_attention import compact_keys, fused_attention
+from megatron.context_parallel.fused_attention import fused_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,7 +93,7 @@ def _check(plan, rank, cu, heads, groups, dim, dtype, seed, merge_gap=64):
         query = torch.zeros(1, heads, dim, device=dev, dtype=dtype)
     query.requires_grad_()
     kv_slots = _slots(kv_full, plan).requires_grad_()
-    out = fused_attention(query, compact_keys(kv_slots, runs), runs, dim**-0.5)
+    out = fused_attention(query, kv_slots, runs, dim**-0.5)
     n = pos.numel()
     w = weight[pos] if not padding else torch.ones(1, heads, dim, device=dev)
     (out.double() * w).sum().backward()
@@ -208,7 +208,7 @@ def _w_group(rank, world, seed):
     slots = gather_padded_from_context_parallel_region(
         kv_local, plan.max_count, torch.distributed.group.WORLD
     )
-    out = fused_attention(query, compact_keys(slots, runs), runs, dim**-0.5)
+    out = fused_attention(query, slots, runs, dim**-0.5)
     (out.double() * weight[pos]).sum().backward()
     q_ref = q_full.double().requires_grad_()
     kv_ref = kv_full.double().requires_grad_()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from megatron.context_parallel import ContextParallelPlan
 from megatron.context_parallel.attention_runs import AttentionRuns, _bucket
-from megatron.context_parallel.fused_attention import compact_keys, fused_attention
+from megatron.context_parallel.fused_attention import fused_attention
 from megatron.context_parallel.mappings import gather_padded_from_context_parallel_region
 
 
@@ -61,7 +61,7 @@ def _check_rank(plan, rank, cu, heads, groups, dim, seed, merge_gap=64, kernel=R
         query = torch.cat([query, torch.randn(1, heads, dim, generator=g, dtype=query.dtype)])
     query.requires_grad_()
     kv_slots = _slots(kv_full, plan).requires_grad_()
-    out = fused_attention(query, compact_keys(kv_slots, runs), runs, scale, kernel=ReferenceKernel)
+    out = fused_attention(query, kv_slots, runs, scale, kernel=kernel)
     w = weight[pos]
     if runs.rows > pos.numel():
         w = torch.cat([w, torch.ones(1, heads, dim, dtype=w.dtype)])
@@ -221,7 +221,7 @@ def _w_gathered(rank, world, seed):
     kv_local = kv_full[pos].clone().requires_grad_()
     group = torch.distributed.group.WORLD
     slots = gather_padded_from_context_parallel_region(kv_local, plan.max_count, group)
-    out = fused_attention(query, compact_keys(slots, runs), runs, dim**-0.5, kernel=ReferenceKernel)
+    out = fused_attention(query, slots, runs, dim**-0.5, kernel=ReferenceKernel)
     (out * weight[pos]).sum().backward()
 
     q_ref = q_full.clone().requires_grad_()

@@ -57,11 +57,7 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from megatron.context_parallel.attention_runs import AttentionRuns
-from megatron.context_parallel.fused_attention import (
-    compact_keys,
-    fused_attention,
-    select_backend,
-)
+from megatron.context_parallel.fused_attention import fused_attention, select_backend
 from megatron.context_parallel.mappings import gather_padded_from_context_parallel_region
 from megatron.context_parallel.plan import ContextParallelPlan
 from megatron.context_parallel.rotary import (
@@ -448,12 +444,11 @@ class ContextParallelAttention(MegatronModule):
         return select_backend(query, head_dim, query.shape[1], dropout)
 
     def _fused(self, query: Tensor, kv_slots: Tensor, runs: AttentionRuns) -> Tensor:
-        """The fused path: compact keys from the gathered slots, then the run tables' kernel."""
+        """The fused path: the run tables' kernel over the gathered slots (b == 1 here)."""
         sq = query.shape[0]
-        kv = compact_keys(kv_slots.flatten(1, 2), runs)  # [N, G, 2d]; b == 1 here
         context = fused_attention(
             query.flatten(1, 2),
-            kv,
+            kv_slots.flatten(1, 2),
             runs,
             self.softmax_scale,
             deterministic=bool(getattr(self.config, "deterministic_mode", False)),

@@ -72,7 +72,8 @@ class DeviceRuns:
         q_rows: int64 ``[batch + 1]``, first query-buffer row of each entry.
         kv_rows: int64 ``[batch + 1]``, first compact key row of each entry (forward).
         mat_rows: int64 ``[batch + 1]``, first row of each entry in the backward's key buffer.
-        span_source / local_to_span / kv_source / compact_slots: as on ``AttentionRuns``.
+        span_source / local_to_span / kv_source / compact_slots / slot_copies: as on
+            ``AttentionRuns``.
         stats_index: int64 ``[batch * max_q]``, the query-buffer row of each padded statistics
             slot ``(entry, i)`` or -1.
     """
@@ -86,6 +87,7 @@ class DeviceRuns:
     local_to_span: Optional[torch.Tensor]
     kv_source: Optional[torch.Tensor]
     compact_slots: Optional[torch.Tensor]
+    slot_copies: Optional[torch.Tensor]
     stats_index: torch.Tensor
     _offsets: Dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -123,6 +125,10 @@ class AttentionRuns:
         mat_rows: rows of the backward's key buffer (``num_keys`` unless ``materialize``).
         compact_slots: int64 ``[N]``, the all-gather slot of each compact key, or None when the
             slots already are the compact keys (a contiguous plan with equal shards).
+        slots: rows of the padded all-gather (``cp_size * max_count``).
+        slot_copies: int64 ``[copies, slots]``: row ``j`` holds, for each slot, the backward
+            buffer row of its key's ``j``-th copy (-1: none, e.g. a padding slot); None when
+            the backward buffer rows are the slots themselves.
         keys_covered: without copies, every compact key is attended by some entry (else the
             key gradient starts at zero rather than being written whole by the kernel).
         rows_covered: every query-buffer row belongs to an entry.
@@ -242,6 +248,18 @@ class AttentionRuns:
         else:
             mat_start, mat_rows, kv_source = k_start, num_keys, None
 
+        # The gradient of all-gather slot s is the sum of its key's copies: row j of
+        # slot_copies names the backward buffer row of copy j (-1: none), one row per copy count.
+        slots = plan.cp_size * plan.max_count
+        key_of_row = kv_source if materialize else torch.arange(num_keys)
+        by_key = torch.argsort(key_of_row, stable=True)
+        sorted_keys = key_of_row[by_key]
+        copy = torch.arange(sorted_keys.numel()) - torch.searchsorted(sorted_keys, sorted_keys)
+        copies = int(copy.max()) + 1 if copy.numel() else 1
+        slot_copies = torch.full((copies, slots), -1, dtype=torch.int64)
+        slot_copies[copy, compact_slots[sorted_keys]] = by_key
+        slots_are_rows = not materialize and plan.slots_in_source_order
+
         # Without copies, a key past this rank's last row of its sequence is attended by no
         # entry, so its gradient row must start at zero instead of being written.
         keys_covered = False
@@ -269,6 +287,8 @@ class AttentionRuns:
             kv_source=kv_source,
             mat_rows=mat_rows,
             compact_slots=None if plan.slots_in_source_order else compact_slots,
+            slots=slots,
+            slot_copies=None if slots_are_rows else slot_copies,
             keys_covered=bool(keys_covered),
             rows_covered=padding_rows == 0,
             batch=_bucket(entries),
@@ -308,6 +328,7 @@ class AttentionRuns:
             "local_to_span": self.local_to_span,
             "kv_source": self.kv_source,
             "compact_slots": self.compact_slots,
+            "slot_copies": None if self.slot_copies is None else self.slot_copies.flatten(),
             "stats_index": stats_index.flatten(),
         }
         # One host-to-device copy for every table (each copy from pageable memory waits).
@@ -316,6 +337,8 @@ class AttentionRuns:
         parts = dict(zip(names, packed.split([host[name].numel() for name in names])))
         for name in ("seq_len_q", "seq_len_kv"):
             parts[name] = parts[name].to(torch.int32).reshape(-1, 1, 1, 1)
+        if self.slot_copies is not None:
+            parts["slot_copies"] = parts["slot_copies"].view(self.slot_copies.shape)
         moved = DeviceRuns(**{name: parts.get(name) for name in host})
         self._device[device] = moved
         return moved

@@ -24,7 +24,6 @@ from megatron.context_parallel.attention_runs import AttentionRuns
 
 __all__ = [
     "fused_attention",
-    "compact_keys",
     "select_backend",
     "set_attention_backend",
     "attention_backend",
@@ -94,18 +93,38 @@ def select_backend(query: torch.Tensor, head_dim: int, batch: int, dropout: floa
     return "cudnn"
 
 
-class _FusedAttention(torch.autograd.Function):
-    """query ``[rows, H, d]``, compact keys ``kv`` ``[N, G, 2d]`` -> context ``[rows, H, d]``.
+def _slot_gradients(dkeys: torch.Tensor, runs: AttentionRuns, dev) -> torch.Tensor:
+    """The all-gather slots' gradient ``[slots, G, 2d]``: each slot's key copies summed."""
+    if runs.slot_copies is None:
+        return dkeys
+    copies = dev.slot_copies
+    if copies.shape[0] == 1:
+        return ops.gather_rows(dkeys, copies[0])
+    if copies.shape[0] == 2:
+        # A sum of two terms rounds once, whether in the inputs' dtype or in fp32.
+        return ops.gather_rows(dkeys, copies[0]) + ops.gather_rows(dkeys, copies[1])
+    acc = torch.promote_types(dkeys.dtype, torch.float32)
+    total = ops.gather_rows(dkeys, copies[0]).to(acc)
+    for row in copies[1:]:
+        total += ops.gather_rows(dkeys, row).to(acc)
+    return total.to(dkeys.dtype)
 
-    Backward: ``dquery`` (dummy and padding rows dropped) and ``dkv`` for every compact key,
-    per-entry copies summed in fp32. No communication.
+
+class _FusedAttention(torch.autograd.Function):
+    """query ``[rows, H, d]``, all-gather slots ``[slots, G, 2d]`` -> context ``[rows, H, d]``.
+
+    Backward: ``dquery`` (dummy and padding rows dropped) and the slots' gradient (each key's
+    per-entry gradients summed; padding slots zero). No communication.
     """
 
     @staticmethod
-    def forward(ctx, query, kv, runs: AttentionRuns, kernel, scale, deterministic):
+    def forward(ctx, query, kv_slots, runs: AttentionRuns, kernel, scale, deterministic):
         dev = runs.on(query.device)
         q = query.contiguous() if runs.identity else ops.gather_rows(query, dev.span_source)
-        kv = kv.contiguous()
+        if runs.compact_slots is None:
+            kv = kv_slots.contiguous()
+        else:
+            kv = ops.gather_rows(kv_slots, dev.compact_slots)
         want_stats = any(ctx.needs_input_grad[:2])
         o, stats = kernel.forward(q, kv, runs, dev, scale, want_stats)
         out = o if runs.identity else ops.gather_rows(o, dev.local_to_span)
@@ -129,52 +148,44 @@ class _FusedAttention(torch.autograd.Function):
             q, keys, o, do, stats, runs, dev, ctx.scale, ctx.deterministic
         )
         dquery = dq if runs.identity else ops.gather_rows(dq, dev.local_to_span)
-        if runs.materialize:
-            # Summed in fp32 at least: an entry's key gradient is one of several terms.
-            acc = torch.promote_types(kv.dtype, torch.float32)
-            total = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            total.index_add_(0, dev.kv_source, dkeys.to(acc))
-            dkv = total.to(kv.dtype)
-        else:
-            dkv = dkeys
-        return dquery, dkv, None, None, None, None
+        return dquery, _slot_gradients(dkeys, runs, dev), None, None, None, None
 
 
 def fused_attention(
     query: torch.Tensor,
-    kv: torch.Tensor,
+    kv_slots: torch.Tensor,
     runs: AttentionRuns,
     scale: float,
     *,
     kernel=None,
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of the local rows over the compact keys, by the run tables.
+    """Causal attention of the local rows over the gathered keys, by the run tables.
 
     Args:
         query: ``[rows, H, d]``, this rank's rows in plan order (``runs.rows`` of them).
-        kv: ``[N, G, 2d]``, keys then values of every compact key (``runs.num_keys``), the same
-            dtype; ``H`` must be a multiple of ``G``.
+        kv_slots: ``[slots, G, 2d]``, keys then values of the padded all-gather over CP
+            (``runs.slots`` rows: rank r's row i at ``r * max_count + i``), the same dtype;
+            ``H`` must be a multiple of ``G``.
         runs: the batch's run tables for this rank.
         scale: softmax scale.
         kernel: the varlen kernel (default: cuDNN).
         deterministic: ask the kernel for a deterministic backward.
 
     Returns:
-        ``[rows, H, d]``; padding rows are zero. Gradients flow to ``query`` and ``kv``.
+        ``[rows, H, d]``; padding rows are zero. Gradients flow to ``query`` and ``kv_slots``
+        (padding slots get zero).
     """
-    if query.shape[0] != runs.rows or kv.shape[0] != runs.num_keys:
+    if query.shape[0] != runs.rows or kv_slots.shape[0] != runs.slots:
         raise ValueError(
-            f"fused attention got {query.shape[0]} query rows and {kv.shape[0]} keys, but the "
-            f"run tables are for {runs.rows} and {runs.num_keys}"
+            f"fused attention got {query.shape[0]} query rows and {kv_slots.shape[0]} key "
+            f"slots, but the run tables are for {runs.rows} and {runs.slots}"
         )
     return _FusedAttention.apply(
-        query, kv, runs, _attention_cudnn if kernel is None else kernel, float(scale), deterministic
+        query,
+        kv_slots,
+        runs,
+        _attention_cudnn if kernel is None else kernel,
+        float(scale),
+        deterministic,
     )
-
-
-def compact_keys(kv_slots: torch.Tensor, runs: AttentionRuns) -> torch.Tensor:
-    """The compact keys ``[N, ...]`` from the padded all-gather's slots (differentiable)."""
-    if runs.compact_slots is None:
-        return kv_slots
-    return ops.gather_rows(kv_slots, runs.on(kv_slots.device).compact_slots)
