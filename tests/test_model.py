@@ -501,3 +501,43 @@ def test_one_rank_bad_input_raises_on_every_rank():
         # Calls whose difference only shows when ranks compare: the same error everywhere.
         assert "different plans" in results["plan"][1], results
         assert "different calls" in results["fields"][1], results
+
+
+def _without_shims(rank, world_size):
+    """CP 2 on CPU in a fresh process in which nothing patched torch: ``context_parallel_batch``
+    and the model's forward and backward run (GPTModel builds no rotary table of its own, whose
+    CP slice calls ``pin_memory`` and ``.cuda()``). Then, with ``_megatron_cpu``'s shims, which
+    megatron-core's own attention and rotary table need, the reference to compare with."""
+    from megatron.core import parallel_state as ps
+
+    untouched = (torch.cuda.current_device, torch.Tensor.cuda, torch.zeros, torch.tensor)
+    assert not mc._INSTALLED
+    ps.initialize_model_parallel(context_parallel_size=world_size)
+    ids, labels, cu, plan, _ = _case("uneven", world_size, 5)
+    model = mc.build_tiny_gpt()
+    out = context_parallel_forward(
+        model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
+    )
+    fields = {k: getattr(out, k) for k in FIELDS if k != "top_k"}
+    fields["top_k"] = out.top_k.logprobs
+    _loss(fields, _loss_weights(ids.numel(), 5)).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=ps.get_context_parallel_group())
+    assert (torch.cuda.current_device, torch.Tensor.cuda, torch.zeros, torch.tensor) == untouched
+
+    mc.init_parallel(1, 1)  # installs the shims, for the reference only
+    ref = _reference(ids, labels, cu, 5, {})
+    errors = {k: (v.detach() - ref[k]).abs().max().item() for k, v in fields.items()}
+    for name, g in grads.items():
+        scale = ref["grads"][name].abs().max().item()
+        errors[f"grad {name}"] = (g - ref["grads"][name]).abs().max().item() / max(scale, 1e-30)
+    return errors
+
+
+def test_cpu_forward_and_backward_need_no_shim():
+    # Spawned: forked ranks would inherit whatever the parent process patched.
+    for errors in run_distributed(_without_shims, 2, start_method="spawn", timeout=300):
+        for key, value in errors.items():
+            bound = GRAD_RTOL if key.startswith("grad") else ATOL
+            assert value <= bound, (key, value)

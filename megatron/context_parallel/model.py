@@ -599,6 +599,8 @@ def _prepare_batch(
             cu_seqlens=cu,
             position_ids=position_ids,
             rotary=gpt.rotary_pos_emb if rotary and backend == _SOURCE else None,
+            # Every layer applies the rows above: GPTModel's own table would be dead work.
+            megatron_table=backend != _SOURCE,
         )
     elif backend == _LOCAL:
         attention_mask = _local_mask(plan, cu, device)
