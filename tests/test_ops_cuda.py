@@ -281,18 +281,19 @@ print("FALLBACK-OK")
 """
 
 
+def _run_child(script: str, env: dict) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python with this checkout first on its path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(env, PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
 def test_cuda_without_extension_falls_back_with_one_warning():
     env = {k: v for k, v in os.environ.items() if k != "MCP_REQUIRE_EXTENSION"}
     env["MCP_DISABLE_EXTENSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _FALLBACK_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_child(_FALLBACK_SCRIPT, env)
     assert proc.returncode == 0 and "FALLBACK-OK" in proc.stdout, proc.stderr[-4000:]
 
 
@@ -325,15 +326,7 @@ print("BAD-CALLS-DONE")
 @pytest.mark.skipif(not ops.has_cuda_kernels(), reason="checks the compiled extension")
 def test_bad_calls_into_the_extension_raise_runtime_error():
     """In a child process, so a crash fails this test (with its signal) instead of the run."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-c", _BAD_CALLS_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_child(_BAD_CALLS_SCRIPT, dict(os.environ))
     report = f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0 and "BAD-CALLS-DONE" in proc.stdout, report
     assert "float packed RuntimeError: scatter_rows: packed must be uint8" in proc.stdout, report
