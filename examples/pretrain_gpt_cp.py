@@ -248,8 +248,8 @@ def train(args, device, cp: int, pp: int, vpp: Optional[int], whole_state, label
     per_replica = args.global_batch_size // dp
     schedule = get_forward_backward_func()
     losses: List[float] = []
-    bar = common.Progress(args.train_iters, f"{label:<16}")
-    for iteration in range(args.train_iters):
+    iterations = common.progress(args.train_iters, f"{label:<16}")
+    for iteration in iterations:
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
@@ -276,7 +276,7 @@ def train(args, device, cp: int, pp: int, vpp: Optional[int], whole_state, label
             pair += report["lm loss"].to(pair)
         dist.all_reduce(pair)
         losses.append((pair[0] / pair[1]).item())
-        bar.update(f"loss {losses[-1]:.4f}")
+        iterations.set_postfix_str(f"loss {losses[-1]:.4f}")
     ps.destroy_model_parallel()
     return losses, whole_state
 
