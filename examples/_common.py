@@ -130,7 +130,7 @@ def _cpu_shim() -> None:
     ``torch.cuda.synchronize()`` returns at once (gloo calls complete before they return);
     ``Tensor.type()`` names a CPU tensor as its CUDA twin, which megatron's distributed
     optimizer requires. The same shims as the tests' ``tests/_megatron_cpu.py`` (examples do
-    not import tests).
+    not import tests), which says where megatron-core calls each; the package needs none.
     """
     if torch.cuda.is_available() or getattr(torch.cuda, "_mcp_cpu_shim", False):
         return

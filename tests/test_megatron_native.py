@@ -414,14 +414,22 @@ def test_context_parallel_forward_runs_pipeline_stages():
 def _wrong_rotary_worker(rank, world_size):
     """With megatron's zigzag-sliced rotary table forced back in, a contiguous plan (whose
     shards have the table's size, so nothing else notices) must fail the comparison."""
+    import megatron.context_parallel.attention as cp_attention
+
     case = Case("contiguous-mean-wrong-rotary", plan="contiguous")
     reference = _references([case], world_size)[case.name]
-    original = ContextParallelSelfAttention._rotary_at_source_positions
+    original = (
+        ContextParallelSelfAttention._rotary_at_source_positions,
+        cp_attention.skip_table_length,
+    )
+    # GPTModel builds its table again (plain lengths), and the layers apply it.
+    cp_attention.skip_table_length = int
     ContextParallelSelfAttention._rotary_at_source_positions = lambda self, table, params: table
     try:
         return _run_case(case, reference)
     finally:
-        ContextParallelSelfAttention._rotary_at_source_positions = original
+        ContextParallelSelfAttention._rotary_at_source_positions = original[0]
+        cp_attention.skip_table_length = original[1]
 
 
 def test_the_comparison_catches_a_wrong_rotary_table():
