@@ -698,7 +698,10 @@ def reduce_over_data_parallel(
         problem = exc
     if groups.group_rank_and_size(group)[1] == 1:
         if problem is not None:
-            raise errors.from_exception(problem) from problem
+            error = errors.from_exception(problem)
+            if error is problem:
+                raise error
+            raise error from problem
         return tensor.detach().clone()
     groups.raise_if_calls_differ(groups.agree(problem, group, description))
     out = tensor.detach().clone()

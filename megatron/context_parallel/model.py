@@ -362,6 +362,15 @@ class ContextParallelBatch:
         Either way the schedule receives a new tensor, so its in-place scaling of the loss
         never reaches a ``report`` that shares the caller's loss.
 
+        Args:
+            loss_func: megatron's ``loss_func(output)`` (``output`` the ``ForwardOutput``),
+                returning ``(loss, report)`` or ``(loss_sum, num_tokens, report)`` with a
+                scalar loss; the gradient flows back through the scaled loss unchanged
+                otherwise.
+
+        Returns:
+            A callable with ``loss_func``'s signature, for the ``forward_step_func`` to return.
+
         Raises:
             TypeError: ``loss_func`` returned something other than a 2- or 3-tuple (same on
                 every CP rank: they all compute it on the same output).
