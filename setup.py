@@ -18,6 +18,10 @@ or 0/false/no/off/empty, anything else is an error):
     MCP_SKIP_CUDA_BUILD=1: never build it (pure-Python install). Setting both is an error.
     TORCH_CUDA_ARCH_LIST: target architectures, default "9.0" (Hopper: H100, H200).
     MAX_JOBS: parallel compile jobs (read by torch's build helper).
+
+The extension is linked against the shared libstdc++.so whatever the compiler's default
+(megatron/context_parallel/_linkage.py says why: a static C++ runtime turns a failing
+TORCH_CHECK into a segfault), and the build fails, naming the fix, if the result still lacks it.
 """
 
 from __future__ import annotations
@@ -34,16 +38,17 @@ EXT_NAME = "megatron.context_parallel._C"
 DEFAULT_ARCH_LIST = "9.0"
 
 
-def _load_env_flag():
-    """The package's own ``env_flag``, loaded by path: the package is not importable yet."""
-    path = os.path.join(ROOT, "megatron", "context_parallel", "_env.py")
-    spec = importlib.util.spec_from_file_location("_megatron_cp_env", path)
+def _load_by_path(name: str):
+    """The package's module ``name``, loaded by path: the package is not importable yet."""
+    path = os.path.join(ROOT, "megatron", "context_parallel", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_megatron_cp{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.env_flag
+    return module
 
 
-env_flag = _load_env_flag()
+env_flag = _load_by_path("_env").env_flag
+linkage = _load_by_path("_linkage")
 
 
 def _find_nvcc(cuda_home):
@@ -99,8 +104,22 @@ def _extensions(build: bool):
             "cxx": ["-O3"],
             "nvcc": ["-O3"],
         },
+        extra_link_args=linkage.LINK_ARGS,
     )
-    return [ext], {"build_ext": BuildExtension}
+
+    class CheckedBuildExtension(BuildExtension):
+        """torch's ``BuildExtension``, refusing a library that lacks the shared libstdc++."""
+
+        def build_extension(self, extension):
+            super().build_extension(extension)
+            path = self.get_ext_fullpath(extension.name)
+            try:
+                linkage.check_shared_runtime(path)
+            except RuntimeError:
+                os.remove(path)  # never leave a library behind that crashes on a bad call
+                raise
+
+    return [ext], {"build_ext": CheckedBuildExtension}
 
 
 def _summary(build: bool, reason: str, details: dict) -> None:
@@ -110,6 +129,7 @@ def _summary(build: bool, reason: str, details: dict) -> None:
         lines.append(f"  {key}: {value}")
     if build:
         lines.append(f"  TORCH_CUDA_ARCH_LIST: {os.environ.get('TORCH_CUDA_ARCH_LIST')}")
+        lines.append(f"  CXX: {os.environ.get('CXX', '(default)')}, links {linkage.LINK_ARGS}")
     lines.append("")
     print("\n".join(lines), file=sys.stderr)
 

@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import socket
 import sys
-import time
 import traceback
 import warnings
 from typing import Callable, Optional, Sequence
@@ -131,7 +130,7 @@ def _cpu_shim() -> None:
     ``torch.cuda.synchronize()`` returns at once (gloo calls complete before they return);
     ``Tensor.type()`` names a CPU tensor as its CUDA twin, which megatron's distributed
     optimizer requires. The same shims as the tests' ``tests/_megatron_cpu.py`` (examples do
-    not import tests).
+    not import tests), which says where megatron-core calls each; the package needs none.
     """
     if torch.cuda.is_available() or getattr(torch.cuda, "_mcp_cpu_shim", False):
         return
@@ -387,28 +386,19 @@ def say(*parts, file=None) -> None:
         print(*parts, file=file or sys.stdout, flush=True)
 
 
-class Progress:
-    """A one-line progress bar on rank 0's stderr: redrawn on a terminal, else one line a step."""
+def progress(steps: int, label: str):
+    """tqdm over ``range(steps)``, drawn on rank 0's stderr (disabled on the other ranks).
 
-    def __init__(self, total: int, label: str, width: int = 24):
-        self.total, self.label, self.width = total, label, width
-        self.done = 0
-        self.start = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def update(self, note: str = "") -> None:
-        self.done += 1
-        if not is_rank0():
-            return
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        rate = self.done / max(time.perf_counter() - self.start, 1e-9)
-        line = f"{self.label} [{bar}] {self.done}/{self.total} {rate:.2f} it/s {note}"
-        if self.tty:
-            end = "\n" if self.done >= self.total else ""
-            print("\r" + line, end=end, file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
+    tqdm is a development requirement (requirements-dev.txt), imported here so that the
+    examples that draw no bar (cp_probe, gather_demo) run without it.
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:
+        raise ImportError(
+            "the training examples draw their progress with tqdm: pip install tqdm"
+        ) from exc
+    return tqdm(range(steps), desc=label, file=sys.stderr, disable=not is_rank0(), mininterval=0)
 
 
 def synchronize(device: torch.device) -> None:

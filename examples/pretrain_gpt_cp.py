@@ -29,9 +29,11 @@ What CP changes in a megatron training script (the README's "Megatron recipe"):
   labels (never sliced per CP rank); it picks this rank's rows, their position ids and rotary
   rows, ``packed_seq_params`` and the ``output_processor``; ``model(**batch.forward_kwargs())``
   returns a ``ForwardOutput`` for the whole batch, in order, on every CP rank.
-* ``loss_func``: every CP rank computes the same loss on the full output. A 3-tuple returns
-  ``loss_sum * cp_size`` (megatron divides by a token count summed over DP x CP); a 2-tuple
-  returns the mean unchanged (megatron multiplies by CP itself).
+* ``loss_func``: written as for one GPU, on the full output (the same on every CP rank), and
+  returned as ``batch.loss_func(loss_func)``, which applies the CP scaling (a 3-tuple's
+  ``loss_sum`` times CP: megatron divides by a token count summed over DP x CP).
+* ``config.finalize_model_grads_func = finalize_model_grads`` and ``config.no_sync_func``: the
+  gradient sum over DP x CP (each CP rank holds only its rows' share of a gradient).
 * reported ``[sum, count]`` pairs may be summed over DP x CP, as megatron's training loop does:
   both are counted CP times, and the ratio is exact.
 * pipelines: ``seq_length`` is the packed length (stages pass ``seq_length / CP`` rows) for
@@ -174,18 +176,15 @@ def build_model(args, device, whole_state: Optional[dict]):
 # ------------------------------------------------------------------------ forward and loss
 
 
-def loss_func(labels: torch.Tensor, cp_size: int, output):
-    """megatron's 3-tuple loss on the full-sequence log-probs (identical on every CP rank).
-
-    Returns ``(loss_sum * cp_size, num_tokens, {"lm loss": [loss_sum, num_tokens]})``:
-    megatron divides by a token count summed over DP x CP, in which every CP rank counts the
-    whole batch.
-    """
+def loss_func(labels: torch.Tensor, output):
+    """megatron's 3-tuple loss on the full-sequence log-probs (identical on every CP rank),
+    as on one GPU: ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``.
+    ``batch.loss_func`` scales it for CP."""
     valid = labels != -100
     loss_sum = -(output.target_logprobs * valid).sum()
     num_tokens = valid.sum()
     report = torch.stack([loss_sum.detach(), num_tokens.float()])
-    return loss_sum * cp_size, num_tokens.int(), {"lm loss": report}
+    return loss_sum, num_tokens.int(), {"lm loss": report}
 
 
 def forward_step(args, device, data_iterator, model):
@@ -204,7 +203,7 @@ def forward_step(args, device, data_iterator, model):
         model, tokens, labels, cu_seqlens=cu, plan=plan, fields="target_logprobs"
     )
     output = model(**batch.forward_kwargs())  # ForwardOutput on the last stage
-    return output, functools.partial(loss_func, labels, batch.cp_size)
+    return output, batch.loss_func(functools.partial(loss_func, labels))
 
 
 # -------------------------------------------------------------------------------- training
@@ -248,8 +247,8 @@ def train(args, device, cp: int, pp: int, vpp: Optional[int], whole_state, label
     per_replica = args.global_batch_size // dp
     schedule = get_forward_backward_func()
     losses: List[float] = []
-    bar = common.Progress(args.train_iters, f"{label:<16}")
-    for iteration in range(args.train_iters):
+    iterations = common.progress(args.train_iters, f"{label:<16}")
+    for iteration in iterations:
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
@@ -276,7 +275,7 @@ def train(args, device, cp: int, pp: int, vpp: Optional[int], whole_state, label
             pair += report["lm loss"].to(pair)
         dist.all_reduce(pair)
         losses.append((pair[0] / pair[1]).item())
-        bar.update(f"loss {losses[-1]:.4f}")
+        iterations.set_postfix_str(f"loss {losses[-1]:.4f}")
     ps.destroy_model_parallel()
     return losses, whole_state
 

@@ -85,8 +85,8 @@ def run_reference(args, device, seq_lens, dp: int):
     model = common.build_gpt(args, device, max_seq_len=max(seq_lens))
     optimizer = make_optimizer(args, model)
     losses = []
-    bar = common.Progress(args.steps, "CP 1      ")
-    for step in range(args.steps):
+    steps = common.progress(args.steps, "CP 1      ")
+    for step in steps:
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for replica in range(dp):
@@ -98,7 +98,7 @@ def run_reference(args, device, seq_lens, dp: int):
             total += loss.item()
         optimizer.step()
         losses.append(total)
-        bar.update(f"loss {total:.4f}")
+        steps.set_postfix_str(f"loss {total:.4f}")
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
@@ -130,8 +130,8 @@ def run_context_parallel(args, device, seq_lens, reference):
     model = common.build_gpt(args, device, max_seq_len=max(seq_lens))
     optimizer = make_optimizer(args, model)
     losses = []
-    bar = common.Progress(args.steps, f"DP{dp} x CP{args.cp}")
-    for step in range(args.steps):
+    steps = common.progress(args.steps, f"DP{dp} x CP{args.cp}")
+    for step in steps:
         optimizer.zero_grad(set_to_none=True)
         ids, labels, cu = synthetic_batch(seq_lens, args.vocab, args.seed, step, replica, device)
         loss = token_loss(model, ids, labels, cu)
@@ -140,7 +140,7 @@ def run_context_parallel(args, device, seq_lens, reference):
         optimizer.step()
         logged = (reduce_over_data_parallel(loss.detach()) / dp).item()
         losses.append(logged)
-        bar.update(f"loss {logged:.4f} (CP 1 {reference[step]:.4f})")
+        steps.set_postfix_str(f"loss {logged:.4f} (CP 1 {reference[step]:.4f})")
     return losses, [p.detach().clone() for p in model.parameters()]
 
 

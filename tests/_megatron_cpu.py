@@ -1,12 +1,12 @@
 """Run megatron-core's GPTModel on CPU in the gloo test workers, and build a tiny one.
 
-megatron-core assumes CUDA in a few places on the paths these tests use:
-
-* ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``, and a few
-  tensor-parallel helpers allocate on it. ``cpu_current_device()`` makes that call answer
-  ``cpu`` (CPU-only torch raises instead), so those tensors simply stay on the CPU.
-* Dropout regions fork the CUDA RNG tracker. The tests use no dropout; the inference flavour of
-  the tracker forks as a no-op, so no CUDA generator state is ever touched.
+The package needs none of this: ``context_parallel_batch`` / ``context_parallel_forward`` and a
+GPTModel's forward and backward under the package's layer spec run on CPU-only torch as they are
+(``test_model.test_cpu_forward_and_backward_need_no_shim``). megatron-core's own pieces that the
+tests also run name CUDA outright: its rotary table (``RotaryEmbedding.get_emb`` moves
+``inv_freq`` to ``torch.cuda.current_device()``) and attention in the CP-1 references, and its
+training machinery (``cpu_current_device`` lists where). Dropout regions fork the CUDA RNG
+tracker; the tests use no dropout, and the inference flavour of the tracker forks as a no-op.
 
 Nothing here is imported by the package; it only serves the tests.
 """
@@ -79,12 +79,13 @@ def cpu_current_device() -> None:
     megatron-core 0.19.2 names CUDA outright on the paths these tests use. Each shim makes one
     such call mean "the CPU", which is where every tensor of these tests lives (gloo):
 
-    * ``torch.cuda.current_device()`` (rotary ``inv_freq``, p2p shape buffers, TP helpers)
-      answers ``cpu``;
+    * ``torch.cuda.current_device()`` (DDP's gradient buffers, megatron's rotary ``inv_freq``,
+      p2p shape buffers, TP helpers) answers ``cpu``;
     * ``torch.zeros / empty / ones / full / tensor(..., device="cuda")`` (the schedules' token
-      counter, the optimizers' flags) allocate on the CPU, and ``pin_memory=True`` (the rotary
-      table's CP slice) is dropped: there is no pinned allocator without CUDA;
-    * ``Tensor.cuda()`` (tied embeddings, the rotary CP slice) returns the tensor unchanged;
+      counter, the optimizers' flags) allocate on the CPU, and ``pin_memory=True`` (megatron's
+      rotary CP slice, where a test still builds that table) is dropped: there is no pinned
+      allocator without CUDA;
+    * ``Tensor.cuda()`` (tied embeddings) returns the tensor unchanged;
     * ``torch.cuda.current_stream()`` (the DDP grad buffer) is a stream whose waits do
       nothing, and ``torch.cuda.synchronize()`` (p2p shape exchange) returns at once: gloo
       calls complete before they return;

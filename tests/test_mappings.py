@@ -219,6 +219,8 @@ def test_cp1_without_distributed():
     back = scatter_to_context_parallel_region(full, plan)
     assert torch.equal(back, local.detach())
     assert torch.equal(reduce_over_data_parallel(torch.tensor([2.0])), torch.tensor([2.0]))
+    with pytest.raises(TypeError, match="field 0 is not a tensor"):
+        reduce_over_data_parallel([2.0])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

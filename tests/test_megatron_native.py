@@ -18,7 +18,10 @@ fp32, within 1e-5 relative per tensor:
 
 Loss functions (see the README's Megatron recipe): ``mean`` is a 2-tuple (mean NLL; megatron
 multiplies by CP itself), ``sum`` a 3-tuple ``(nll_sum * cp, tokens, [nll_sum, tokens])``,
-``per_token`` the same 3-tuple with ``calculate_per_token_loss``.
+``per_token`` the same 3-tuple with ``calculate_per_token_loss``, ``mean_per_token`` the 2-tuple
+with ``calculate_per_token_loss`` (CP 1 then sums the micro-batch means over DP and micro-batches,
+megatron dividing by nothing). ``wrapped`` cases write the loss as for CP 1 and return
+``batch.loss_func(loss)``, which applies the CP scaling.
 
 Cases run in few spawned worlds (megatron's groups are rebuilt between cases) to keep the suite
 fast on two cores.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Optional
 
 import _megatron_cpu as mc
@@ -55,7 +59,8 @@ class Case:
     pp: int = 1
     vpp: Optional[int] = None
     plan: str = "zigzag"  # zigzag | contiguous | thd | uneven | empty
-    loss: str = "mean"  # mean | sum | per_token
+    loss: str = "mean"  # mean | sum | per_token | mean_per_token
+    wrapped: bool = False  # the CP-1 loss through batch.loss_func instead of scaled by hand
     optimizer: Optional[str] = None  # None | "adam" | "adam-distributed"
     tied: bool = False
     layers: int = 2
@@ -139,12 +144,14 @@ def _reference(case: Case, dp: int):
             ids, labels, cu, _ = _batch(case, d, m)
             nll, n = _nll(model, ids, labels, cu)
             tokens += n
-            if case.loss == "mean":
+            if case.loss.startswith("mean"):
                 reported[(d, m)] = torch.tensor([nll.item() / n])
             else:
                 reported[(d, m)] = torch.tensor([nll.item(), float(n)])
             if case.loss == "per_token":
                 objective = objective + nll
+            elif case.loss == "mean_per_token":  # megatron: x cp / M, no DP or token division
+                objective = objective + nll / n / case.micro_batches
             else:  # megatron averages the micro-batches' means over replicas and micro-batches
                 objective = objective + nll / n / (dp * case.micro_batches)
     if case.loss == "per_token":
@@ -166,11 +173,12 @@ def _reference(case: Case, dp: int):
 
 
 def _loss_func(labels, cp_size: int, mode: str, output):
-    """megatron ``loss_func`` on the full-sequence target log-probs (same on every CP rank)."""
+    """megatron ``loss_func`` on the full-sequence target log-probs (same on every CP rank);
+    ``cp_size`` 1 gives the CP-1 loss that ``batch.loss_func`` scales."""
     valid = labels != -100
     nll = -(output.target_logprobs * valid).sum()
     count = valid.sum()
-    if mode == "mean":
+    if mode.startswith("mean"):
         loss = nll / count
         # A copy: megatron scales the returned loss in place (by CP and 1 / micro-batches).
         return loss, {"lm loss": loss.detach().clone().view(1)}
@@ -186,6 +194,8 @@ def _forward_step(case: Case, data_iterator, model):
         model, ids, labels, cu_seqlens=cu, plan=plan, fields="target_logprobs"
     )
     output = model(**batch.forward_kwargs())
+    if case.wrapped:
+        return output, batch.loss_func(functools.partial(_loss_func, labels, 1, case.loss))
     return output, functools.partial(_loss_func, labels, batch.cp_size, case.loss)
 
 
@@ -218,8 +228,11 @@ def _run_case(case: Case, reference) -> dict:
         mc.load_stage(stage, initial)
         chunks.append(stage)
     config = chunks[0].config
-    config.calculate_per_token_loss = case.loss == "per_token"
-    config.variable_seq_lengths = case.plan in ("uneven", "empty")
+    # Every chunk's own config (Megatron-LM gives all chunks one config object; the batch helper
+    # reads the chunk's).
+    for chunk in chunks:
+        chunk.config.calculate_per_token_loss = case.loss in ("per_token", "mean_per_token")
+        chunk.config.variable_seq_lengths = case.plan in ("uneven", "empty")
     config.batch_p2p_comm = not case.vpp
     config.finalize_model_grads_func = finalize_model_grads
     distributed = case.optimizer == "adam-distributed"
@@ -316,6 +329,9 @@ SCHEDULE_CASES = [
         ("empty", ("per_token",)),
     )
     for loss in losses
+] + [
+    Case("uneven-sum-wrapped", plan="uneven", loss="sum", wrapped=True),
+    Case("thd-mean-per-token-wrapped", plan="thd", loss="mean_per_token", wrapped=True),
 ]
 
 
@@ -331,6 +347,7 @@ DP_CASES = [
         "dp2-cp2-uneven-adam-distributed", plan="uneven", loss="sum", optimizer="adam-distributed"
     ),
     Case("dp2-cp2-zigzag-per-token-distributed", loss="per_token", optimizer="adam-distributed"),
+    Case("dp2-cp2-zigzag-mean-per-token-wrapped", loss="mean_per_token", wrapped=True),
 ]
 
 PP_CASES = [
@@ -359,6 +376,8 @@ def _stage_forward(rank, world_size):
     mc.init_parallel(1, 2, 2)
     stage = mc.build_tiny_gpt()
     mc.load_stage(stage, state)
+    # An uneven plan: the batch helper refuses fixed-length stage exchanges.
+    stage.config.variable_seq_lengths = True
     group = ps.get_pipeline_model_parallel_group()
     peer = ps.get_pipeline_model_parallel_next_rank()
     rows = plan.counts[ps.get_context_parallel_rank()] or 1  # an empty rank runs one padding row
@@ -395,14 +414,22 @@ def test_context_parallel_forward_runs_pipeline_stages():
 def _wrong_rotary_worker(rank, world_size):
     """With megatron's zigzag-sliced rotary table forced back in, a contiguous plan (whose
     shards have the table's size, so nothing else notices) must fail the comparison."""
+    import megatron.context_parallel.attention as cp_attention
+
     case = Case("contiguous-mean-wrong-rotary", plan="contiguous")
     reference = _references([case], world_size)[case.name]
-    original = ContextParallelSelfAttention._rotary_at_source_positions
+    original = (
+        ContextParallelSelfAttention._rotary_at_source_positions,
+        cp_attention.skip_table_length,
+    )
+    # GPTModel builds its table again (plain lengths), and the layers apply it.
+    cp_attention.skip_table_length = int
     ContextParallelSelfAttention._rotary_at_source_positions = lambda self, table, params: table
     try:
         return _run_case(case, reference)
     finally:
-        ContextParallelSelfAttention._rotary_at_source_positions = original
+        ContextParallelSelfAttention._rotary_at_source_positions = original[0]
+        cp_attention.skip_table_length = original[1]
 
 
 def test_the_comparison_catches_a_wrong_rotary_table():
@@ -411,6 +438,55 @@ def test_the_comparison_catches_a_wrong_rotary_table():
         grads = [v for k, v in errors.items() if k.startswith("grad")]
         assert max(losses) > RTOL, errors  # log-prob errors ~1e-4 over ~20 tokens
         assert max(grads) > 100 * RTOL, errors
+
+
+def _unscaled_two_tuple_worker(rank, world_size):
+    """The 2-tuple loss under ``calculate_per_token_loss`` returned as it is, not through
+    ``batch.loss_func``: megatron multiplies it by CP and divides by nothing, so gradients are
+    CP times those of CP 1 (what the wrapper exists for)."""
+    case = Case("uneven-mean-per-token-unscaled", plan="uneven", loss="mean_per_token")
+    return _run_case(case, _references([case], world_size)[case.name])
+
+
+def test_two_tuple_per_token_loss_without_the_wrapper_is_cp_times_cp1():
+    for errors in run_distributed(_unscaled_two_tuple_worker, 2):
+        grads = [v for k, v in errors.items() if k.startswith("grad")]
+        losses = [v for k, v in errors.items() if k.startswith("loss")]
+        assert max(losses) <= RTOL, errors  # the reported values are right...
+        assert all(abs(g - 1.0) < 1e-4 for g in grads), errors  # ...the gradients 2x (CP 2)
+
+
+def _pp_fixed_lengths_worker(rank, world_size):
+    """PP 2 x CP 2 with an uneven and an empty-rank plan and ``variable_seq_lengths=False``:
+    every rank's ``context_parallel_batch`` refuses, naming the setting; equal shards pass."""
+    from megatron.core import parallel_state as ps
+
+    mc.init_parallel(1, 2, 2)
+    stage = mc.build_tiny_gpt()
+    stage.config.variable_seq_lengths = False
+    first = ps.is_pipeline_first_stage()
+    messages = {}
+    for plan in ("uneven", "empty", "zigzag"):
+        ids, labels, cu, cp_plan = _batch(Case("pp", pp=2, plan=plan), 0, 0)
+        try:
+            context_parallel_batch(
+                stage, ids if first else None, labels, cu_seqlens=cu, plan=cp_plan
+            )
+            messages[plan] = None
+        except ValueError as exc:
+            messages[plan] = str(exc)
+    return messages
+
+
+def test_pipeline_stages_refuse_uneven_plans_without_variable_seq_lengths():
+    per_rank = run_distributed(_pp_fixed_lengths_worker, 4)
+    for messages in per_rank:
+        assert messages["zigzag"] is None, messages
+        for plan in ("uneven", "empty"):
+            assert "config.variable_seq_lengths = True" in messages[plan], messages
+    # Every rank alike (each CP group names its own first rank).
+    texts = {re.sub(r"^rank \d+: ", "", m[p]) for m in per_rank for p in ("uneven", "empty")}
+    assert len(texts) == 2, texts
 
 
 def _megatron_self_attention_worker(rank, world_size):

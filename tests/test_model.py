@@ -404,7 +404,9 @@ def test_bad_inputs_raise_on_every_rank_before_any_collective():
 
 def _one_rank_bad(rank, world_size):
     """Only the last rank's call is wrong: every rank raises (none waits in the model's
-    collectives), and a later good call still works."""
+    collectives), and a later good call still works. Returns {call: (type, message)}."""
+    import megatron.context_parallel.model as cp_model
+
     mc.init_parallel(1, world_size)
     model = mc.build_tiny_gpt()
     ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(0))
@@ -416,34 +418,126 @@ def _one_rank_bad(rank, world_size):
         "plan": dict(good, plan=ContextParallelPlan.contiguous(24, world_size)) if bad else good,
         "fields": dict(good, fields="hidden_states") if bad else good,
         "plan_module": dict(good, plan=ContextParallelPlan.contiguous(24, 1)) if bad else good,
+        "position_type": dict(good, position_ids=[0] * 24) if bad else good,
     }
-    messages = {}
-    for name, kwargs in calls.items():
+    # Exceptions that are not about the input at all, raised inside the batch's preparation on
+    # the bad rank only (a data pipeline's StopIteration, an out-of-memory, any RuntimeError).
+    failures = {
+        "runtime": RuntimeError("CUDA error: an illegal memory access (rows 3..7)"),
+        "stop": StopIteration("data iterator exhausted after 12 batches"),
+        "oom": torch.OutOfMemoryError("tried to allocate 20.00 GiB"),
+    }
+    real_processor = cp_model.make_output_processor
+
+    def failing(exc):
+        def make_output_processor(*args, **kwargs):
+            if bad:
+                raise exc
+            return real_processor(*args, **kwargs)
+
+        return make_output_processor
+
+    results = {}
+
+    def attempt(name, kwargs):
         kwargs = dict(kwargs)
         kwargs.setdefault("labels", labels)
         try:
             context_parallel_forward(model, ids, **kwargs)
-            messages[name] = None
-        except ValueError as exc:
-            messages[name] = str(exc)
+            results[name] = None
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+            results[name] = (type(exc).__name__, str(exc), cause)
+
+    for name, kwargs in calls.items():
+        attempt(name, kwargs)
+    for name, exc in failures.items():
+        cp_model.make_output_processor = failing(exc)
+        try:
+            attempt(name, good)
+        finally:
+            cp_model.make_output_processor = real_processor
+    # A longer description of the output options: a rank whose preparation failed must still
+    # send a row as long as its peers' (one definition of the length), or the exchange breaks.
+    real_describe = cp_model.OutputOptions.describe
+    cp_model.OutputOptions.describe = lambda self: real_describe(self) + (7, 7)
+    try:
+        attempt("longer_description", calls["labels"])
+    finally:
+        cp_model.OutputOptions.describe = real_describe
     out = context_parallel_forward(model, ids, labels, **good)
-    messages["later_good_call"] = tuple(out.target_logprobs.shape)
-    return messages
+    results["later_good_call"] = tuple(out.target_logprobs.shape)
+    return results
 
 
 def test_one_rank_bad_input_raises_on_every_rank():
+    """Every rank, the bad one included, raises the same InputError with the bad rank's
+    numbers; on the bad rank its own exception is the cause."""
     per_rank = run_distributed(_one_rank_bad, 3, timeout=120)
     last = len(per_rank) - 1
-    for rank, messages in enumerate(per_rank):
-        assert messages.pop("later_good_call") == (24,)
-        for name, message in messages.items():
-            assert message is not None, (rank, name)
+    for results in per_rank:
+        assert results.pop("later_good_call") == (24,)
+    expected = {
+        "labels": ("InputError", "ValueError: labels has 20 positions but input_ids has 24"),
+        "longer_description": ("InputError", "labels has 20 positions but input_ids has 24"),
+        "plan_module": ("InputError", "the CP group has 3 ranks but the plan has cp_size 1"),
+        "position_type": ("InputTypeError", "TypeError: position_ids must be a tensor"),
+        "runtime": ("InputError", "RuntimeError: CUDA error: an illegal memory access"),
+        "stop": ("InputError", "StopIteration: data iterator exhausted after 12 batches"),
+        "oom": ("InputError", "OutOfMemoryError: tried to allocate 20.00 GiB"),
+    }
+    for name, (kind, needle) in expected.items():
+        seen = {(r[name][0], r[name][1]) for r in per_rank}
+        assert len(seen) == 1, (name, seen)  # the same type and text on every rank
+        kind_seen, message = seen.pop()
+        assert kind_seen == kind, (name, kind_seen)
+        assert message.startswith(f"rank {last}: input rejected ("), message
+        assert needle in message, (name, message)
+        # Only the bad rank carries the original exception as the cause.
+        causes = [r[name][2] for r in per_rank]
+        assert causes[:last] == [None] * last and causes[last] is not None, (name, causes)
+    assert per_rank[last]["oom"][2] == "OutOfMemoryError"
+    for results in per_rank:
         # Calls whose difference only shows when ranks compare: the same error everywhere.
-        assert "different plans" in messages["plan"], messages
-        assert "different calls" in messages["fields"], messages
-        if rank == last:  # its own detailed message
-            assert "labels has 20 positions" in messages["labels"], messages
-            assert "cp_size 1" in messages["plan_module"], messages
-        else:  # the bad rank named
-            assert messages["labels"].startswith(f"rank {last}: input rejected"), messages
-            assert messages["plan_module"].startswith(f"rank {last}: "), messages
+        assert "different plans" in results["plan"][1], results
+        assert "different calls" in results["fields"][1], results
+
+
+def _without_shims(rank, world_size):
+    """CP 2 on CPU in a fresh process in which nothing patched torch: ``context_parallel_batch``
+    and the model's forward and backward run (GPTModel builds no rotary table of its own, whose
+    CP slice calls ``pin_memory`` and ``.cuda()``). Then, with ``_megatron_cpu``'s shims, which
+    megatron-core's own attention and rotary table need, the reference to compare with."""
+    from megatron.core import parallel_state as ps
+
+    untouched = (torch.cuda.current_device, torch.Tensor.cuda, torch.zeros, torch.tensor)
+    assert not mc._INSTALLED
+    ps.initialize_model_parallel(context_parallel_size=world_size)
+    ids, labels, cu, plan, _ = _case("uneven", world_size, 5)
+    model = mc.build_tiny_gpt()
+    out = context_parallel_forward(
+        model, ids, labels, cu_seqlens=cu, plan=plan, fields=FIELDS, top_k=TOP_K
+    )
+    fields = {k: getattr(out, k) for k in FIELDS if k != "top_k"}
+    fields["top_k"] = out.top_k.logprobs
+    _loss(fields, _loss_weights(ids.numel(), 5)).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=ps.get_context_parallel_group())
+    assert (torch.cuda.current_device, torch.Tensor.cuda, torch.zeros, torch.tensor) == untouched
+
+    mc.init_parallel(1, 1)  # installs the shims, for the reference only
+    ref = _reference(ids, labels, cu, 5, {})
+    errors = {k: (v.detach() - ref[k]).abs().max().item() for k, v in fields.items()}
+    for name, g in grads.items():
+        scale = ref["grads"][name].abs().max().item()
+        errors[f"grad {name}"] = (g - ref["grads"][name]).abs().max().item() / max(scale, 1e-30)
+    return errors
+
+
+def test_cpu_forward_and_backward_need_no_shim():
+    # Spawned: forked ranks would inherit whatever the parent process patched.
+    for errors in run_distributed(_without_shims, 2, start_method="spawn", timeout=300):
+        for key, value in errors.items():
+            bound = GRAD_RTOL if key.startswith("grad") else ATOL
+            assert value <= bound, (key, value)

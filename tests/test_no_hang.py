@@ -254,3 +254,39 @@ def _w_bookkeeping_device(rank, world):
 
 def test_bookkeeping_collectives_follow_the_backend(pools):
     pools(2).run(_w_bookkeeping_device)
+
+
+def _w_reduce(rank, world):
+    """``reduce_over_data_parallel`` with one rank's input bad: every rank raises the same
+    error before any reduction, and a good call right after still sums."""
+    from megatron.context_parallel import reduce_over_data_parallel
+
+    group = dist.group.WORLD
+    bad = rank == world - 1
+    good = torch.tensor([1.0, 2.0])
+    calls = {
+        "not_a_tensor": [1.0, 2.0] if bad else good,
+        "shape": torch.ones(3) if bad else good,
+        "dtype": good.double() if bad else good,
+        "op": (good, dist.ReduceOp.MAX if bad else dist.ReduceOp.SUM),
+    }
+    seen = {}
+    for name, call in calls.items():
+        tensor, op = call if isinstance(call, tuple) else (call, dist.ReduceOp.SUM)
+        try:
+            reduce_over_data_parallel(tensor, op, group)
+            seen[name] = None
+        except ValueError as exc:
+            seen[name] = (type(exc).__name__, str(exc))
+    assert torch.equal(reduce_over_data_parallel(good, group=group), good * world)
+    return seen
+
+
+def test_reduce_over_data_parallel_raises_on_every_rank(pools):
+    per_rank = pools(3).run(_w_reduce)
+    assert per_rank[0] == per_rank[1] == per_rank[2], per_rank
+    seen = per_rank[0]
+    assert seen["not_a_tensor"] == ("InputTypeError", "rank 2: field 0 is not a tensor (got list)")
+    for name in ("shape", "dtype", "op"):
+        assert seen[name] is not None and seen[name][0] == "InputError", (name, seen)
+        assert "ranks of the group made different calls" in seen[name][1], (name, seen)

@@ -281,19 +281,65 @@ print("FALLBACK-OK")
 """
 
 
+def _run_child(script: str, env: dict) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python with this checkout first on its path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(env, PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
 def test_cuda_without_extension_falls_back_with_one_warning():
     env = {k: v for k, v in os.environ.items() if k != "MCP_REQUIRE_EXTENSION"}
     env["MCP_DISABLE_EXTENSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _FALLBACK_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_child(_FALLBACK_SCRIPT, env)
     assert proc.returncode == 0 and "FALLBACK-OK" in proc.stdout, proc.stderr[-4000:]
+
+
+# Failing TORCH_CHECKs that format integers, dtypes and sizes into their messages: with a
+# static C++ runtime in the extension these crashed the process (SIGSEGV) instead of raising.
+_BAD_CALLS_SCRIPT = """
+import torch
+from megatron.context_parallel import ops
+
+assert ops.has_cuda_kernels()
+packed = torch.zeros(4, 8, device="cuda")
+index = torch.zeros(2, dtype=torch.int64, device="cuda")
+calls = {
+    "float packed": lambda: torch.ops.megatron_cp.scatter_rows(packed, index, [0], [32]),
+    "int32 index": lambda: torch.ops.megatron_cp.gather_rows(packed, index.int()),
+    "offsets": lambda: torch.ops.megatron_cp.scatter_rows(
+        packed.byte(), index, [0, 8], [8]
+    ),
+}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "did not raise")
+    except RuntimeError as exc:
+        print(name, "RuntimeError:", str(exc).splitlines()[0])
+print("BAD-CALLS-DONE")
+"""
+
+
+@pytest.mark.skipif(not ops.has_cuda_kernels(), reason="checks the compiled extension")
+def test_bad_calls_into_the_extension_raise_runtime_error():
+    """In a child process, so a crash fails this test (with its signal) instead of the run."""
+    proc = _run_child(_BAD_CALLS_SCRIPT, dict(os.environ))
+    report = f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and "BAD-CALLS-DONE" in proc.stdout, report
+    assert "float packed RuntimeError: scatter_rows: packed must be uint8" in proc.stdout, report
+    assert "int32 index RuntimeError: gather_rows: index must be int64" in proc.stdout, report
+    assert "offsets RuntimeError: scatter_rows: 2 offsets but 1 widths" in proc.stdout, report
+
+
+@pytest.mark.skipif(not ops.has_cuda_kernels(), reason="checks the compiled extension")
+def test_extension_links_the_shared_cpp_runtime():
+    from megatron.context_parallel import _C
+    from megatron.context_parallel._linkage import needed_libraries
+
+    assert any(n.startswith("libstdc++.so") for n in needed_libraries(_C.__file__))
 
 
 def _fields_for(plan, seed):

@@ -19,6 +19,8 @@ from megatron.context_parallel.rotary import (
     megatron_table_positions,
     rotary_at_positions,
     rotary_table_length,
+    skip_marked_tables,
+    skip_table_length,
 )
 
 
@@ -96,3 +98,25 @@ def test_table_length_and_exactness():
     assert not megatron_rotary_is_exact(ContextParallelPlan.contiguous(24, 2), positions, 24)
     assert not megatron_rotary_is_exact(ContextParallelPlan.thd((0, 8, 24), 2), positions, 24)
     assert not megatron_rotary_is_exact(ContextParallelPlan.zigzag(24, 2), positions, 28)
+
+
+def test_marked_lengths_build_no_table_and_other_calls_run_megatron(monkeypatch):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    calls = []
+
+    def megatron_forward(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        calls.append((self, max_seq_len, offset, packed_seq, cp_group))
+        return "megatron's table"
+
+    monkeypatch.setattr(RotaryEmbedding, "forward", megatron_forward)
+    rope, other = _rope(rotary_percent=1.0), _rope(rotary_percent=1.0)
+    skip_marked_tables(rope)
+    skip_marked_tables(rope)  # idempotent
+    placeholder = rope(skip_table_length(24), cp_group="cp")
+    assert placeholder.shape == (0, 1, 1, 0) and calls == []
+    # Any other call, and any other module, is megatron-core's own forward.
+    assert rope(24, packed_seq=True, cp_group="cp") == "megatron's table"
+    assert other(skip_table_length(24)) == "megatron's table"
+    assert calls == [(rope, 24, 0, True, "cp"), (other, 24, 0, False, None)]
+    assert "forward" not in other.__dict__ and set(rope.state_dict()) == set(other.state_dict())

@@ -65,6 +65,8 @@ from megatron.context_parallel.rotary import (
     megatron_rotary_is_exact,
     rotary_at_positions,
     rotary_table_length,
+    skip_marked_tables,
+    skip_table_length,
 )
 
 __all__ = [
@@ -163,6 +165,7 @@ class ContextParallelParams(PackedSeqParams):
         cu_seqlens: Optional[Sequence[int]] = None,
         position_ids: Optional[Tensor] = None,
         rotary=None,
+        megatron_table: bool = True,
     ) -> "ContextParallelParams":
         """The params for one batch sharded by ``plan`` (no collective).
 
@@ -177,6 +180,10 @@ class ContextParallelParams(PackedSeqParams):
                 device-to-host copy when megatron-core's rotary table has to be checked.
             rotary: the model's ``RotaryEmbedding`` (``GPTModel.rotary_pos_emb``) to evaluate at
                 the local rows' position ids; None for models without rotary embeddings.
+            megatron_table: False when every layer is ``ContextParallelSelfAttention``, which
+                replaces ``GPTModel``'s own rotary table by these rows: ``GPTModel`` then
+                builds no table at all (``rotary.skip_marked_tables``), saving its work per
+                micro-batch and its CUDA-only calls. Only with ``rotary``.
 
         Raises:
             ValueError: the group size differs from ``plan.cp_size``; ``cu_seqlens`` does not
@@ -221,6 +228,9 @@ class ContextParallelParams(PackedSeqParams):
         slots = plan.slot_positions("cpu")
         key_sequence = torch.where(slots >= 0, sequence[slots.clamp(min=0)], -1)
         table = rotary_table_length(plan.seq_len, plan.cp_size)
+        if rows is not None and not megatron_table:
+            skip_marked_tables(rotary)
+            table = skip_table_length(table)
         return cls(
             plan=plan,
             rank=rank,

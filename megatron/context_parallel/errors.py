@@ -2,9 +2,12 @@
 
 A rank that finds bad input in a collective call cannot simply raise: its peers would wait in
 the collective for it. The package's entry points therefore check their input locally first,
-turn any problem into an ``InputError`` (a kind and up to four integers), exchange every rank's
-verdict in one small collective (``groups.agree``) and then raise the first bad rank's error on
-every rank. Because an error is a kind plus numbers, every rank formats the same message.
+turn any problem into an ``InputError`` (a kind, up to four integers and an optional note),
+exchange every rank's verdict in one small collective (``groups.agree``) and then raise the first
+bad rank's error on every rank, the bad rank included. The kind, the numbers and the note travel,
+so every rank formats the same message. An exception that has no kind of its own (any other
+``ValueError``, a ``RuntimeError``, ...) travels as ``rejected`` with its type and text as the
+note.
 
 This module holds the kinds and the exception; it does no communication.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
 
-__all__ = ["InputError", "InputTypeError", "KINDS", "make", "from_code"]
+__all__ = ["InputError", "InputTypeError", "KINDS", "make", "from_code", "from_exception"]
 
 # kind -> (code, message template over the numbers {0}..{3}). Codes travel between ranks as
 # int64, so they must never be reused for another meaning; 0 means "no problem".
@@ -59,12 +62,14 @@ KINDS: Dict[str, Tuple[int, str]] = {
         "ranks of the group made different calls (value {0} of the call's "
         "description: {1} vs {2})",
     ),
-    # A rank raised something this module has no kind for; its own traceback has the details.
-    "rejected": (60, "input rejected; that rank's own error names the problem"),
+    # A rank raised something this module has no kind for; the note carries its type and text
+    # (the bad rank's traceback has it as the InputError's __cause__).
+    "rejected": (60, "input rejected"),
+    "rejected_type": (61, "input rejected"),
 }
 
 _BY_CODE = {code: (kind, template) for kind, (code, template) in KINDS.items()}
-_TYPE_KINDS = {"not_a_plan", "structure", "not_a_tensor"}
+_TYPE_KINDS = {"not_a_plan", "structure", "not_a_tensor", "rejected_type"}
 
 
 class InputError(ValueError):
@@ -108,7 +113,16 @@ def make(kind: str, *numbers: int, origin: Optional[int] = None, note: str = "")
     return cls(kind, *numbers, origin=origin, note=note)
 
 
-def from_code(code: int, numbers: Sequence[int], origin: int) -> InputError:
-    """Rebuilds the error another rank found from its exchanged code and numbers."""
+def from_code(code: int, numbers: Sequence[int], origin: int, note: str = "") -> InputError:
+    """Rebuilds the error a rank found from its exchanged code, numbers and note."""
     kind = _BY_CODE[code][0] if code in _BY_CODE else "rejected"
-    return make(kind, *list(numbers)[:4], origin=origin)
+    return make(kind, *list(numbers)[:4], origin=origin, note=note)
+
+
+def from_exception(exc: BaseException) -> InputError:
+    """``exc`` as an ``InputError``: itself when it is one, else ``rejected`` (``rejected_type``
+    for a ``TypeError``) with its type and text as the note."""
+    if isinstance(exc, InputError):
+        return exc
+    kind = "rejected_type" if isinstance(exc, TypeError) else "rejected"
+    return make(kind, note=f"{type(exc).__name__}: {exc}")

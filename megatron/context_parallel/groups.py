@@ -43,9 +43,12 @@ __all__ = [
     "raise_if_calls_differ",
 ]
 
-# Columns of every ``agree`` row before the caller's own description of the call.
-_CODE, _ORIGIN, _NUMBERS = 0, 1, slice(2, 6)
-_PREFIX = 6
+# Columns of every ``agree`` row before the caller's own description of the call: the error's
+# code, its origin (global rank), its four numbers, and the length of its note in int64 words.
+_CODE, _ORIGIN, _NUMBERS, _NOTE_WORDS = 0, 1, slice(2, 6), 6
+_PREFIX = 7
+# A note longer than this is cut: it names a problem, it is not a log.
+_NOTE_BYTES = 4096
 
 
 def _parallel_state():
@@ -176,10 +179,16 @@ def _all_gather_ints(mine: List[int], group, size: int, device) -> List[Tuple[in
     return [tuple(row) for row in recv.view(size, len(mine)).tolist()]
 
 
-def _as_problem(exc: Optional[BaseException]) -> Optional[errors.InputError]:
-    if exc is None or isinstance(exc, errors.InputError):
-        return exc
-    return errors.make("rejected", note=f"{type(exc).__name__}: {exc}")
+def _encode_note(note: str) -> List[int]:
+    """``note`` as little-endian int64 words (UTF-8, zero padded), at most ``_NOTE_BYTES``."""
+    data = note.encode("utf-8", "replace")[:_NOTE_BYTES]
+    data += b"\0" * (-len(data) % 8)
+    return [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+
+
+def _decode_note(words: Sequence[int]) -> str:
+    data = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
+    return data.rstrip(b"\0").decode("utf-8", "replace")
 
 
 def find_problem(
@@ -188,38 +197,48 @@ def find_problem(
     """Exchanges each rank's verdict on its input; returns (the first bad rank's error, rows).
 
     Args:
-        problem: the exception this rank's local checks raised (an ``InputError``, or anything
-            else, which counts as kind ``rejected``), or None. A problem that came from another
-            group already carries its ``origin`` and is passed on as it is.
+        problem: the exception this rank's local checks raised (an ``InputError``, or any other
+            exception, which travels as ``rejected`` with its type and text), or None. A problem
+            that came from another group already carries its ``origin`` and is passed on as it
+            is.
         group: the process group of the call (every rank of it must call this).
         call: ints describing the call, the same length on every rank; returned per rank for
             the caller to compare (plan fingerprint, field structure, ...).
 
     Returns:
         ``(error, rows)``: the error of the lowest group rank with a problem, rebuilt from its
-        code and numbers with its global rank as ``origin`` (so it reads the same on every
-        rank), or None; and every rank's ``call`` values in group-rank order.
+        code, numbers and note with its global rank as ``origin`` (so it reads the same on every
+        rank, that rank included, where the original exception is its ``__cause__``), or None;
+        and every rank's ``call`` values in group-rank order.
+
+    Communication: one all-gather of ``7 + len(call)`` int64 per rank; when the first bad rank's
+    error has a note, a second one carrying the note's bytes (every rank knows its length from
+    the first).
     """
-    local = _as_problem(problem)
+    local = None if problem is None else errors.from_exception(problem)
+    note: List[int] = []
     if local is None:
-        head = (0, 0, 0, 0, 0, 0)
+        head = (0,) * _PREFIX
     else:
         origin = global_rank() if local.origin is None else local.origin
+        note = _encode_note(local.note)
         header = local.header()
-        head = (header[0], origin) + header[1:]
+        head = (header[0], origin) + header[1:] + (len(note),)
     rows = exchange(head + tuple(int(v) for v in call), group)
-    for row in rows:
-        if row[_CODE] != 0:
-            if local is not None and row[:_PREFIX] == head:
-                # This rank's own problem: keep its detail and its type.
-                first = errors.make(
-                    local.kind, *local.numbers, origin=row[_ORIGIN], note=local.note
-                )
-                first.__cause__ = problem
-            else:
-                first = errors.from_code(row[_CODE], row[_NUMBERS], row[_ORIGIN])
-            return first, [r[_PREFIX:] for r in rows]
-    return None, [r[_PREFIX:] for r in rows]
+    calls = [r[_PREFIX:] for r in rows]
+    bad = next((i for i, row in enumerate(rows) if row[_CODE] != 0), None)
+    if bad is None:
+        return None, calls
+    row = rows[bad]
+    text = ""
+    if row[_NOTE_WORDS]:
+        own = group_rank_and_size(group)[0] == bad
+        words = note if own else [0] * row[_NOTE_WORDS]
+        text = _decode_note(exchange(words, group)[bad])
+    first = errors.from_code(row[_CODE], row[_NUMBERS], row[_ORIGIN], text)
+    if local is not None and row[:_PREFIX] == head:
+        first.__cause__ = problem
+    return first, calls
 
 
 def agree(

@@ -113,15 +113,25 @@ def _row_bytes(t: torch.Tensor, seq_dim: int) -> int:
     return math.prod(s for d, s in enumerate(t.shape) if d != seq_dim % t.dim()) * t.element_size()
 
 
+# What ``_describe`` puts after the plan's agreement values, in this order. Its first three
+# values are the field structure that ``fields_differ`` reports.
+_FIELD_VALUES = ("fields", "row_bytes", "structure", "seq_dim", "device_kind", "output_grad")
+_FIELD_STRUCTURE = slice(
+    ContextParallelPlan.AGREEMENT_VALUES, ContextParallelPlan.AGREEMENT_VALUES + 3
+)
+# A rank with a problem sends this in place of a description: the same length as one.
+_UNDESCRIBED = (0,) * (ContextParallelPlan.AGREEMENT_VALUES + len(_FIELD_VALUES))
+
+
 def _describe(
     plan: ContextParallelPlan, tensors: Sequence[torch.Tensor], seq_dim: int, output_grad: bool
 ) -> Tuple[int, ...]:
     """The ints that every rank of a gather or scatter must share.
 
-    The plan's ``agreement_values``, the number of fields, the bytes per row of all fields,
-    a hash of every field's dtype, trailing shape and differentiability (which decides the
-    collectives of the backward), the normalised ``seq_dim``, the device kind, and the backward
-    mode.
+    The plan's ``agreement_values``, then ``_FIELD_VALUES``: the number of fields, the bytes per
+    row of all fields, a hash of every field's dtype, trailing shape and differentiability
+    (which decides the collectives of the backward), the normalised ``seq_dim``, the device
+    kind, and the backward mode.
     """
     seq = seq_dim % tensors[0].dim()
     text = repr(
@@ -134,18 +144,15 @@ def _describe(
             for t in tensors
         ]
     )
-    structure = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-    return plan.agreement_values() + (
-        len(tensors),
-        sum(_row_bytes(t, seq_dim) for t in tensors),
-        structure,
-        seq,
-        _DEVICE_KINDS.get(tensors[0].device.type, 3),
-        int(output_grad),
+    values = dict(
+        fields=len(tensors),
+        row_bytes=sum(_row_bytes(t, seq_dim) for t in tensors),
+        structure=int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little"),
+        seq_dim=seq,
+        device_kind=_DEVICE_KINDS.get(tensors[0].device.type, 3),
+        output_grad=int(output_grad),
     )
-
-
-_UNDESCRIBED = (0,) * 9
+    return plan.agreement_values() + tuple(values[name] for name in _FIELD_VALUES)
 
 
 def _agree_on_input(
@@ -171,12 +178,39 @@ def _agree_on_input(
             problem, description = exc, _UNDESCRIBED
     rows = groups.agree(problem, group, description)
     ContextParallelPlan.raise_unless_same(rows)
-    first = rows[0]
+    first = rows[0][_FIELD_STRUCTURE]
     for row in rows[1:]:
-        if tuple(row[3:6]) != tuple(first[3:6]):
-            raise errors.make("fields_differ", first[3], row[3], first[4], row[4])
+        if tuple(row[_FIELD_STRUCTURE]) != tuple(first):
+            mine = row[_FIELD_STRUCTURE]
+            raise errors.make("fields_differ", first[0], mine[0], first[1], mine[1])
     groups.raise_if_calls_differ(rows)
     return rank
+
+
+# What ranks of a data-parallel reduction compare, in this order; a rank with a problem sends
+# ``_UNREDUCED`` (the same length).
+_REDUCTION_VALUES = ("dims", "elements", "dtype_and_shape", "device_kind", "op")
+_UNREDUCED = (0,) * len(_REDUCTION_VALUES)
+
+
+def _describe_reduction(tensor: Any, op, group) -> Tuple[int, ...]:
+    """The ints every rank of a ``reduce_over_data_parallel`` must share; raises on bad input."""
+    if not isinstance(tensor, torch.Tensor):
+        raise errors.make("not_a_tensor", 0, note=f"got {type(tensor).__name__}")
+    if group is not None and groups.collective_device(group).type == "cuda":
+        if tensor.device.type != "cuda":
+            raise errors.make("backend_device")
+    text = repr((str(tensor.dtype), tuple(tensor.shape)))
+    values = dict(
+        dims=tensor.dim(),
+        elements=tensor.numel(),
+        dtype_and_shape=int.from_bytes(
+            hashlib.blake2b(text.encode(), digest_size=7).digest(), "little"
+        ),
+        device_kind=_DEVICE_KINDS.get(tensor.device.type, 3),
+        op=int(op),
+    )
+    return tuple(values[name] for name in _REDUCTION_VALUES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,11 +683,27 @@ def reduce_over_data_parallel(
     Returns:
         A new, detached tensor holding the reduction (not differentiable: reduce losses for
         logging, and let Megatron's DDP reduce the gradients).
+
+    Raises:
+        errors.InputError (``InputTypeError`` for a non-tensor): on every rank of ``group``
+            alike, before the reduction, when any rank passes something that is not a tensor, a
+            CPU tensor on an NCCL group, or a shape, dtype or ``op`` other than its peers'. One
+            small all-gather of int64 on the group's collective device carries the check.
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a tensor, got {type(tensor).__name__}")
     group = groups.resolve_data_parallel_group(group)
+    problem, description = None, _UNREDUCED
+    try:
+        description = _describe_reduction(tensor, op, group)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of any problem
+        problem = exc
+    if groups.group_rank_and_size(group)[1] == 1:
+        if problem is not None:
+            error = errors.from_exception(problem)
+            if error is problem:
+                raise error
+            raise error from problem
+        return tensor.detach().clone()
+    groups.raise_if_calls_differ(groups.agree(problem, group, description))
     out = tensor.detach().clone()
-    if groups.group_rank_and_size(group)[1] > 1:
-        groups.all_reduce(out, group, op)
+    groups.all_reduce(out, group, op)
     return out

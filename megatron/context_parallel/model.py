@@ -303,8 +303,9 @@ class ContextParallelBatch:
             stage; it drops the padding row of an empty rank first.
         plan: the batch's ``ContextParallelPlan``.
         cp_size: the CP group size. A 3-tuple ``loss_func`` returns ``loss_sum * cp_size``
-            (megatron divides by a token count summed over DP x CP).
+            (megatron divides by a token count summed over DP x CP); ``loss_func()`` does it.
         padding_rows: 1 on a rank that owns no position (it runs one padding row), else 0.
+        per_token_loss: the model's ``config.calculate_per_token_loss``.
     """
 
     input_ids: Optional[Tensor]
@@ -315,6 +316,7 @@ class ContextParallelBatch:
     plan: ContextParallelPlan
     cp_size: int
     padding_rows: int
+    per_token_loss: bool = False
 
     def forward_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of ``GPTModel.forward`` (``model(**batch.forward_kwargs())``)."""
@@ -335,10 +337,68 @@ class ContextParallelBatch:
         equal contiguous blocks): then this is ``rows * cp_size``. For uneven or empty shards
         it is None: set ``config.variable_seq_lengths = True`` so the stages exchange shapes.
         """
-        rows = {c + (1 if c == 0 else 0) for c in self.plan.counts}
+        rows = _stage_rows(self.plan)
         if len(rows) != 1:
             return None
         return rows.pop() * self.cp_size
+
+    def loss_func(self, loss_func: Callable[..., tuple]) -> Callable[..., tuple]:
+        """``loss_func`` scaled for megatron's schedules, so gradients equal those of CP 1.
+
+        Write ``loss_func`` as for CP 1, on the full-sequence ``ForwardOutput`` (the same on
+        every CP rank), and return ``batch.loss_func(loss_func)`` from the
+        ``forward_step_func``. megatron-core treats a loss as this rank's share of the batch;
+        here every CP rank holds the loss of the whole batch, so:
+
+        * a 3-tuple ``(loss_sum, num_tokens, report)`` becomes ``(loss_sum * cp_size,
+          num_tokens, report)``: megatron divides by a token count summed over DP x CP, in
+          which every CP rank counted the whole batch;
+        * a 2-tuple ``(loss, report)`` becomes ``(loss / cp_size, report)`` under
+          ``config.calculate_per_token_loss``: megatron multiplies a 2-tuple loss by
+          ``cp_size`` and, in that mode, never divides by DP x CP, so CP would scale the
+          gradients by ``cp_size``. Otherwise the loss passes unchanged (megatron's ``cp_size``
+          and its DP x CP average cancel).
+
+        Either way the schedule receives a new tensor, so its in-place scaling of the loss
+        never reaches a ``report`` that shares the caller's loss.
+
+        Args:
+            loss_func: megatron's ``loss_func(output)`` (``output`` the ``ForwardOutput``),
+                returning ``(loss, report)`` or ``(loss_sum, num_tokens, report)`` with a
+                scalar loss; the gradient flows back through the scaled loss unchanged
+                otherwise.
+
+        Returns:
+            A callable with ``loss_func``'s signature, for the ``forward_step_func`` to return.
+
+        Raises:
+            TypeError: ``loss_func`` returned something other than a 2- or 3-tuple (same on
+                every CP rank: they all compute it on the same output).
+        """
+        cp_size, per_token = self.cp_size, self.per_token_loss
+
+        def scaled(output, *args, **kwargs):
+            result = loss_func(output, *args, **kwargs)
+            if kwargs.get("non_loss_data"):
+                return result  # megatron's collect_non_loss_data path: no loss to scale
+            if not isinstance(result, tuple) or len(result) not in (2, 3):
+                got = f"{len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
+                raise TypeError(
+                    "a megatron loss_func returns (loss, report) or (loss_sum, num_tokens, "
+                    f"report); got a {got}"
+                )
+            if len(result) == 3:
+                loss, num_tokens, report = result
+                return loss * cp_size, num_tokens, report
+            loss, report = result
+            return (loss / cp_size if per_token else loss * 1), report
+
+        return scaled
+
+
+def _stage_rows(plan: ContextParallelPlan) -> set:
+    """The row counts the ranks' pipeline stages pass on (an empty rank runs one padding row)."""
+    return {c if c else 1 for c in plan.counts}
 
 
 def _drop_padding(processor: Callable[..., ForwardOutput], padding_rows: int):
@@ -449,7 +509,7 @@ def context_parallel_batch(
     tp_group = getattr(pgs, "tp", None) if pgs is not None else None
     problem: Optional[BaseException] = None
     batch: Optional[ContextParallelBatch] = None
-    call = (0,) * _CALL_VALUES
+    call = _undescribed_call()
     try:
         batch, call = _prepare_batch(
             gpt,
@@ -462,16 +522,22 @@ def context_parallel_batch(
             tp_group,
             OutputOptions.resolve(options, option_keywords),
         )
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of any problem
         problem = exc
     _agree(problem, call, cp_group, tp_group)
     return batch
 
 
-# (plan fingerprint, seq_len, cp_size), the output options (4), cu_seqlens hash, backend,
-# whether labels were given, whether input ids were given.
-_CALL_VALUES = 3 + 4 + 4
+# A call's description: the plan's agreement values, the output options' ``describe()``, then
+# these. A rank whose preparation failed sends zeros of the same length (``_undescribed_call``).
+_CALL_TAIL = ("cu_seqlens_hash", "backend", "labels_given", "input_ids_given")
 _BACKEND_CODES = {_SOURCE: 1, _MEGATRON_ROTARY: 2, _TE: 3, _LOCAL: 4, _NO_LAYERS: 5}
+
+
+def _undescribed_call() -> Tuple[int, ...]:
+    """Zeros as long as any good rank's call description, derived from the same parts."""
+    options = len(OutputOptions().describe())
+    return (0,) * (ContextParallelPlan.AGREEMENT_VALUES + options + len(_CALL_TAIL))
 
 
 def _prepare_batch(
@@ -497,6 +563,17 @@ def _prepare_batch(
 
     cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
     plan, cu = _resolve_plan(plan, seq_len, cp_size, cu)
+    if (
+        config.pipeline_model_parallel_size > 1
+        and not config.variable_seq_lengths
+        and len(_stage_rows(plan)) != 1
+    ):
+        raise ValueError(
+            f"pipeline stages pass every CP rank's rows between them, but the CP ranks of "
+            f"{plan} run {list(plan.counts)} rows (an empty rank runs 1) and "
+            "config.variable_seq_lengths is False: set config.variable_seq_lengths = True so "
+            "the stages exchange shapes"
+        )
     if config.sequence_parallel and tp_size > 1 and any(c == 0 or c % tp_size for c in plan.counts):
         raise ValueError(
             f"sequence parallelism needs every CP shard non-empty and divisible by TP "
@@ -531,6 +608,8 @@ def _prepare_batch(
             cu_seqlens=cu,
             position_ids=position_ids,
             rotary=gpt.rotary_pos_emb if rotary and backend == _SOURCE else None,
+            # Every layer applies the rows above: GPTModel's own table would be dead work.
+            megatron_table=backend != _SOURCE,
         )
     elif backend == _LOCAL:
         attention_mask = _local_mask(plan, cu, device)
@@ -547,37 +626,40 @@ def _prepare_batch(
         plan=plan,
         cp_size=cp_size,
         padding_rows=padding,
+        per_token_loss=bool(config.calculate_per_token_loss),
+    )
+    tail = dict(
+        # Tuples of ints hash alike in every process.
+        cu_seqlens_hash=0 if cu is None else hash(cu) & ((1 << 62) - 1),
+        backend=_BACKEND_CODES[backend],
+        labels_given=int(labels is not None),
+        input_ids_given=int(input_ids is not None),
     )
     call = (
         *plan.agreement_values(),
         *options.describe(),
-        0 if cu is None else hash(cu) & ((1 << 62) - 1),  # tuples of ints hash alike everywhere
-        _BACKEND_CODES[backend],
-        int(labels is not None),
-        int(input_ids is not None),
+        *(tail[name] for name in _CALL_TAIL),
     )
     return batch, call
 
 
 def _agree(problem: Optional[BaseException], call, cp_group, tp_group) -> None:
     """One exchange over TP (when it has several ranks), one over CP: every rank raises when
-    any rank's input was bad or the ranks' plans or calls differ; none runs on alone.
+    any rank's preparation failed or the ranks' plans or calls differ; none runs on alone.
 
-    A rank raises its own error when it found one (the detailed message), else the first bad
-    rank's ``InputError``.
+    Every rank, the bad one included, raises the first bad rank's ``InputError`` (its numbers and
+    note, so the same message everywhere); on the bad rank its own exception is the
+    ``__cause__``.
     """
     first = None
     if tp_group is not None and groups.group_rank_and_size(tp_group)[1] > 1:
         first = groups.find_problem_or_difference(problem, tp_group, call)
     first, rows = groups.find_problem(first or problem, cp_group, call)
-    if first is None:
-        # Every rank sees every row: all raise alike, or none.
-        ContextParallelPlan.raise_unless_same(rows)
-        groups.raise_if_calls_differ(rows)
-        return
-    if problem is not None:
-        raise problem
-    raise first
+    if first is not None:
+        raise first
+    # Every rank sees every row: all raise alike, or none.
+    ContextParallelPlan.raise_unless_same(rows)
+    groups.raise_if_calls_differ(rows)
 
 
 def context_parallel_forward(

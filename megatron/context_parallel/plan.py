@@ -303,6 +303,9 @@ class ContextParallelPlan:
             raise errors.make("group_size", 1, self.cp_size)
         return 0
 
+    # The length of ``agreement_values()``: callers put these first in a call's description.
+    AGREEMENT_VALUES = 3
+
     def agreement_values(self) -> Tuple[int, int, int]:
         """``(fingerprint, seq_len, cp_size)``: what ranks compare to know they share a plan."""
         return (self.fingerprint, self.seq_len, self.cp_size)
@@ -314,9 +317,10 @@ class ContextParallelPlan:
         Args:
             rows: every rank's ``agreement_values()`` (as exchanged), in rank order.
         """
-        first = tuple(rows[0][:3])
+        n = ContextParallelPlan.AGREEMENT_VALUES
+        first = tuple(rows[0][:n])
         for row in rows[1:]:
-            if tuple(row[:3]) != first:
+            if tuple(row[:n]) != first:
                 raise errors.make("plans_differ", first[1], row[1], first[2], row[2])
 
     def verify(self, group) -> "ContextParallelPlan":

@@ -12,11 +12,19 @@ bit for bit the rows of megatron's table. ``megatron_table_positions`` says whic
 megatron's table gives a rank, so callers can tell when megatron's path is exact and refuse it
 otherwise.
 
+When every layer applies the rows of ``rotary_at_positions`` instead, ``GPTModel``'s own table
+is dead work (and its CP slice calls ``pin_memory`` and ``.cuda()``, so the forward could not
+run on a CPU-only machine): ``skip_table_length`` marks the length ``GPTModel`` asks the rotary
+module for, and ``skip_marked_tables`` makes the module answer such a request with an empty
+placeholder instead of building anything. Any other request (``GPTModel`` outside CP) is
+served by megatron-core's own ``forward``, unchanged.
+
 Host-side helpers only; no communication.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Optional
 
 import torch
@@ -25,6 +33,8 @@ from torch import Tensor
 from megatron.context_parallel.plan import ContextParallelPlan
 
 __all__ = [
+    "skip_table_length",
+    "skip_marked_tables",
     "rotary_at_positions",
     "megatron_table_positions",
     "megatron_rotary_is_exact",
@@ -135,3 +145,36 @@ def megatron_rotary_is_exact(
         if expected is None or not torch.equal(mine, expected):
             return False
     return True
+
+
+class _SkippedTableLength(int):
+    """A rotary table length that asks for no table (see ``skip_table_length``)."""
+
+
+def skip_table_length(length: int) -> int:
+    """``length``, marked so that a module set up by ``skip_marked_tables`` builds no table.
+
+    An ``int`` in every other respect: give it as ``PackedSeqParams.max_seqlen_q / kv``,
+    which ``GPTModel`` passes on as the rotary table's length.
+    """
+    return _SkippedTableLength(length)
+
+
+def _forward_unless_marked(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
+    if isinstance(max_seq_len, _SkippedTableLength):
+        # Non-None, so layers still know the model uses rotary; empty, so a layer that applied
+        # it instead of its own rows would fail on the shape rather than compute silently.
+        return self.inv_freq.new_empty(0, 1, 1, 0)
+    return type(self).forward(self, max_seq_len, offset, packed_seq, cp_group)
+
+
+def skip_marked_tables(rope) -> None:
+    """Makes ``rope`` (``GPTModel.rotary_pos_emb``) build no table for ``skip_table_length``
+    lengths; every other call runs megatron-core's ``forward`` as before. Idempotent.
+
+    Set on the instance (its ``forward``), so state dicts, other models and other calls are
+    untouched.
+    """
+    check_rotary_module(rope)
+    if getattr(rope.forward, "__func__", None) is not _forward_unless_marked:
+        rope.forward = types.MethodType(_forward_unless_marked, rope)
