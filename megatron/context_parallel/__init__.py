@@ -14,6 +14,10 @@ Public API:
     ContextParallelSelfAttention, ContextParallelAttention, ContextParallelParams,
     get_gpt_layer_with_context_parallel_spec: megatron-core's local layer spec with rotary at
         source positions and a reference CP core attention, for any plan.
+    ContextParallelGatedDeltaNet, HeadShardRows, check_sequence_mixers: megatron-core's Gated
+        DeltaNet for any plan (rows to head shards in source order and back), its per-batch
+        index tables, and the check that refuses megatron's own GDN / Mamba mixers under plans
+        they would get wrong.
 
 The model-level names import megatron-core's transformer stack, so they load on first use;
 ``import megatron.context_parallel`` itself stays light.
@@ -49,6 +53,9 @@ _LAZY = {
     "ContextParallelAttention": "megatron.context_parallel.attention",
     "ContextParallelParams": "megatron.context_parallel.attention",
     "get_gpt_layer_with_context_parallel_spec": "megatron.context_parallel.attention",
+    "ContextParallelGatedDeltaNet": "megatron.context_parallel.gdn",
+    "HeadShardRows": "megatron.context_parallel.gdn",
+    "check_sequence_mixers": "megatron.context_parallel.gdn",
 }
 
 __all__ = [
