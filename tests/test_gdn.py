@@ -229,3 +229,56 @@ def test_gdn_layer_any_plan_equals_plain_torch_cp1(cp):
     cases = [(kind, 40 + i) for i, kind in enumerate(kinds)]
     failures = sum(run_distributed(_world, cp, cases), [])
     assert not failures, "\n".join(failures)
+
+
+def _refusals(rank, world_size):
+    """Every rank: (the head-count error, which plans megatron's own GDN is refused under)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron.context_parallel.gdn import check_sequence_mixers
+
+    mc.init_parallel(1, world_size)
+    try:
+        _build(world_size, linear_num_key_heads=3, linear_num_value_heads=9)
+        heads = None
+    except ValueError as exc:
+        heads = str(exc)
+    megatrons = GatedDeltaNet(
+        _config(world_size),
+        GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear
+        ),
+        layer_number=3,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
+    )
+    verdicts = {}
+    for kind in KINDS:
+        plan, cu = _plan(kind, world_size, 7)
+        try:
+            check_sequence_mixers([megatrons], plan, cu)
+            verdicts[kind] = "runs"
+        except ValueError as exc:
+            assert "GatedDeltaNet (layer 3)" in str(exc) and repr(plan) in str(exc), exc
+            verdicts[kind] = "refused"
+    # The package's own layer passes the same check for every plan.
+    ours = _build(world_size)
+    for kind in KINDS:
+        check_sequence_mixers([ours], *_plan(kind, world_size, 7))
+    return heads, verdicts
+
+
+def test_heads_not_dividing_cp_and_megatron_gdn_under_other_plans_raise_on_every_rank():
+    for heads, verdicts in run_distributed(_refusals, 2):
+        assert heads is not None and "3 key heads and 9 value heads" in heads, heads
+        assert "CP 2" in heads, heads
+        # Only Megatron's zigzag layout of one sequence is what its own all-to-all assumes.
+        assert verdicts == {
+            "zigzag": "runs",
+            "contiguous": "refused",
+            "thd": "refused",
+            "uneven": "refused",
+            "unowned": "refused",
+        }, verdicts

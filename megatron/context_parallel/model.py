@@ -32,6 +32,10 @@ Attention backends, found from the layers' modules; combinations that cannot be 
 * megatron-core's ``DotProductAttention``: CP 1 only, rows whose rotary positions are
   ``0 .. n-1`` in row order (any row order and packing without rotary); an explicit mask
   keeps attention causal by source position and within each sequence.
+
+Sequence mixers: megatron-core's own ``GatedDeltaNet`` and ``MambaMixer`` run only where their
+zigzag layout of one sequence is exact (``gdn.check_sequence_mixers``);
+``ContextParallelGatedDeltaNet`` runs any plan.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from megatron.context_parallel.attention import (
     ContextParallelSelfAttention,
     default_position_ids,
 )
+from megatron.context_parallel.gdn import check_sequence_mixers
 from megatron.context_parallel.head import ForwardOutput, OutputOptions, make_output_processor
 from megatron.context_parallel.plan import ContextParallelPlan, as_cu_seqlens
 from megatron.context_parallel.rotary import megatron_rotary_is_exact, rotary_table_length
@@ -511,6 +516,7 @@ def _prepare_batch(
     rotary = gpt.position_embedding_type == "rope"
     backend, module = _attention_backend(gpt)
     _check_plan_for_backend(backend, module, plan, cu, host_positions, rotary)
+    check_sequence_mixers(gpt.modules(), plan, cu)
 
     # This rank's rows (an index, no communication: ids carry no gradient), plus one padding row
     # on an empty rank: megatron-core's layers cannot run zero rows.
