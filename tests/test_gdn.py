@@ -50,7 +50,7 @@ def _plan(kind: str, cp: int, seed: int):
     return ContextParallelPlan.from_rank_positions(shards, cu[-1], cu), cu
 
 
-def _config(cp: int):
+def _config(cp: int, shape: dict = SHAPE, dtype: torch.dtype = torch.float32):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -59,19 +59,19 @@ def _config(cp: int):
         num_attention_heads=4,
         context_parallel_size=cp,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
         normalization="RMSNorm",
         activation_func=F.silu,
-        linear_conv_kernel_dim=SHAPE["kernel"],
-        linear_key_head_dim=SHAPE["key_dim"],
-        linear_value_head_dim=SHAPE["value_dim"],
-        linear_num_key_heads=SHAPE["key_heads"],
-        linear_num_value_heads=SHAPE["value_heads"],
+        linear_conv_kernel_dim=shape["kernel"],
+        linear_key_head_dim=shape["key_dim"],
+        linear_value_head_dim=shape["value_dim"],
+        linear_num_key_heads=shape["key_heads"],
+        linear_num_value_heads=shape["value_heads"],
         gradient_accumulation_fusion=False,
     )
 
 
-def _build(cp: int, seed: int = 5, **shape):
+def _build(cp: int, shape: dict = SHAPE, dtype: torch.dtype = torch.float32, seed: int = 5):
     """The layer under test, as megatron's local GDN layer spec would build it."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
@@ -80,9 +80,7 @@ def _build(cp: int, seed: int = 5, **shape):
 
     from megatron.context_parallel.gdn import ContextParallelGatedDeltaNet
 
-    config = _config(cp)
-    for name, value in shape.items():
-        setattr(config, name, value)
+    config = _config(cp, shape, dtype)
     torch.manual_seed(seed)
     layer = ContextParallelGatedDeltaNet(
         config,
@@ -103,33 +101,36 @@ def _batch(seq_len: int, seed: int):
     return torch.randn(seq_len, HIDDEN, generator=g), torch.randn(seq_len, HIDDEN, generator=g)
 
 
-def _run_case(rank, cp, kind, seed):
+def _run_case(rank, cp, kind, seed, shape=SHAPE, device="cpu", dtype=torch.float32):
+    """One rank's forward and backward; outputs, gradients and parameters on the CPU."""
     from megatron.core import parallel_state as ps
 
     from megatron.context_parallel.attention import ContextParallelParams
 
     plan, cu = _plan(kind, cp, seed)
-    layer = _build(cp)
+    layer = _build(cp, shape, dtype).to(device)
     x, weights = _batch(plan.seq_len, seed)
-    params = ContextParallelParams.for_plan(plan, ps.get_context_parallel_group(), cu_seqlens=cu)
+    group = ps.get_context_parallel_group()
+    params = ContextParallelParams.for_plan(plan, group, cu_seqlens=cu, device=device)
     positions = plan.local_positions(rank)
-    local = x[positions]
+    x, weights = x.to(device, dtype), weights.to(device, dtype)
+    local = x[positions.to(device)]
     if params.padding_rows:
         local = torch.cat([local, local.new_zeros(params.padding_rows, HIDDEN)])
     local = local.unsqueeze(1).requires_grad_()
     out, bias = layer(local, None, packed_seq_params=params)
     assert bias is None
     rows = positions.numel()
-    (out[:rows, 0] * weights[positions]).sum().backward()
-    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    (out[:rows, 0] * weights[positions.to(device)]).sum().backward()
+    grads = {name: p.grad.float().cpu() for name, p in layer.named_parameters()}
     for g in grads.values():
-        torch.distributed.all_reduce(g, group=ps.get_context_parallel_group())
+        torch.distributed.all_reduce(g, group=group)
     return {
         "positions": positions,
-        "out": out[:rows, 0].detach(),
-        "dx": local.grad[:rows, 0],
+        "out": out[:rows, 0].detach().float().cpu(),
+        "dx": local.grad[:rows, 0].float().cpu(),
         "grads": grads,
-        "state": {k: v.detach().clone() for k, v in layer.named_parameters()},
+        "state": {k: v.detach().float().cpu() for k, v in layer.named_parameters()},
     }
 
 
@@ -147,10 +148,10 @@ def _world(rank, world_size, cases):
 # The reference: one device, plain torch, loops over time.
 
 
-def _reference_sequence(proj, state):
+def _reference_sequence(proj, state, shape):
     """Conv, gated delta rule and gated norm of one sequence's projected rows ``[L, D]``."""
-    hk, hv = SHAPE["key_heads"], SHAPE["value_heads"]
-    dk, dv, width = SHAPE["key_dim"], SHAPE["value_dim"], SHAPE["kernel"]
+    hk, hv = shape["key_heads"], shape["value_heads"]
+    dk, dv, width = shape["key_dim"], shape["value_dim"], shape["kernel"]
     qk, v = hk * dk, hv * dv
     length = proj.shape[0]
     qkv, gate, beta, alpha = torch.split(proj, [2 * qk + v, v, hv, hv], dim=1)
@@ -188,10 +189,11 @@ def _reference_sequence(proj, state):
     return normed.reshape(length, v)
 
 
-def _reference(kind, cp, seed, state):
-    """(outputs by position, input gradients by position, parameter gradients)."""
+def _reference(kind, cp, seed, state, shape=SHAPE, dtype=torch.float32):
+    """(outputs by position, input gradients by position, parameter gradients), in fp32 from
+    the inputs rounded to ``dtype`` as the layer under test got them."""
     plan, cu = _plan(kind, cp, seed)
-    x, weights = _batch(plan.seq_len, seed)
+    x, weights = (t.to(dtype).float() for t in _batch(plan.seq_len, seed))
     state = {k: v.clone().requires_grad_() for k, v in state.items()}
     owned = torch.nonzero(plan.owned_mask()).flatten()
     x = x.requires_grad_()
@@ -201,26 +203,30 @@ def _reference(kind, cp, seed, state):
     for start, end in zip(bounds[:-1], bounds[1:]):
         rows = owned[(owned >= start) & (owned < end)]
         if rows.numel():
-            mixed = _reference_sequence(proj[rows], state)
+            mixed = _reference_sequence(proj[rows], state, shape)
             out = out.index_put((rows,), mixed @ state["out_proj.weight"].T)
     (out[owned] * weights[owned]).sum().backward()
     grads = {k: v.grad for k, v in state.items()}
     return out.detach(), x.grad, grads
 
 
-def _compare(name, got, kind, cp, seed):
-    out, dx, grads = _reference(kind, cp, seed, got["state"])
+def _error(got: torch.Tensor, want: torch.Tensor, relative: bool) -> float:
+    """Largest absolute difference (over ``1 + max|want|`` when ``relative``)."""
+    if want.numel() == 0:
+        return 0.0
+    err = (got - want).abs().max().item()
+    return err / (1.0 + want.abs().max().item()) if relative else err
+
+
+def _compare(name, got, kind, cp, seed, shape=SHAPE, dtype=torch.float32, tol=ATOL):
+    """Failures of one rank's case against the reference: outputs and input gradients within
+    ``tol``, parameter gradients (sums over many rows) within ``tol`` of their own scale."""
+    out, dx, grads = _reference(kind, cp, seed, got["state"], shape, dtype)
     pos = got["positions"]
-    failures = []
-    for what, a, b in (("out", got["out"], out[pos]), ("dx", got["dx"], dx[pos])):
-        err = (a - b).abs().max().item() if pos.numel() else 0.0
-        if not err <= ATOL:
-            failures.append(f"{name} {what}: {err:.3g}")
+    errors = {"out": _error(got["out"], out[pos], False), "dx": _error(got["dx"], dx[pos], False)}
     for param, g in grads.items():
-        err = (got["grads"][param] - g).abs().max().item()
-        if not err <= ATOL * (1 + g.abs().max().item()):
-            failures.append(f"{name} grad {param}: {err:.3g}")
-    return failures
+        errors[f"grad {param}"] = _error(got["grads"][param], g, True)
+    return [f"{name} {what}: {err:.3g}" for what, err in errors.items() if not err <= tol]
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -242,7 +248,7 @@ def _refusals(rank, world_size):
 
     mc.init_parallel(1, world_size)
     try:
-        _build(world_size, linear_num_key_heads=3, linear_num_value_heads=9)
+        _build(world_size, dict(SHAPE, key_heads=3, value_heads=9))
         heads = None
     except ValueError as exc:
         heads = str(exc)
