@@ -12,6 +12,8 @@ gradient must agree within 1e-5.
 
 from __future__ import annotations
 
+import dataclasses
+
 import _megatron_cpu as mc
 import pytest
 import torch
@@ -74,19 +76,15 @@ def _config(cp: int, shape: dict = SHAPE, dtype: torch.dtype = torch.float32):
 def _build(cp: int, shape: dict = SHAPE, dtype: torch.dtype = torch.float32, seed: int = 5):
     """The layer under test, as megatron's local GDN layer spec would build it."""
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.context_parallel.gdn import ContextParallelGatedDeltaNet
+    from megatron.context_parallel.gdn import get_gated_delta_net_with_context_parallel_spec
 
     config = _config(cp, shape, dtype)
     torch.manual_seed(seed)
-    layer = ContextParallelGatedDeltaNet(
+    layer = build_module(
+        get_gated_delta_net_with_context_parallel_spec(),
         config,
-        GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear
-        ),
         layer_number=1,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
     )
@@ -240,11 +238,13 @@ def test_gdn_layer_any_plan_equals_plain_torch_cp1(cp):
 def _refusals(rank, world_size):
     """Every rank: (the head-count error, which plans megatron's own GDN is refused under)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.context_parallel.gdn import check_sequence_mixers
+    from megatron.context_parallel.gdn import (
+        check_sequence_mixers,
+        get_gated_delta_net_with_context_parallel_spec,
+    )
 
     mc.init_parallel(1, world_size)
     try:
@@ -252,11 +252,10 @@ def _refusals(rank, world_size):
         heads = None
     except ValueError as exc:
         heads = str(exc)
-    megatrons = GatedDeltaNet(
+    spec = get_gated_delta_net_with_context_parallel_spec()
+    megatrons = build_module(
+        dataclasses.replace(spec, module=GatedDeltaNet),
         _config(world_size),
-        GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear
-        ),
         layer_number=3,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
     )

@@ -36,9 +36,10 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.ssm.gated_delta_net import common as _gdn_common
 from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from megatron.context_parallel.attention import ContextParallelParams
@@ -46,7 +47,12 @@ from megatron.context_parallel.mappings import all_to_all_over_context_parallel_
 from megatron.context_parallel.ops import gather_rows
 from megatron.context_parallel.plan import ContextParallelPlan
 
-__all__ = ["ContextParallelGatedDeltaNet", "HeadShardRows", "check_sequence_mixers"]
+__all__ = [
+    "ContextParallelGatedDeltaNet",
+    "HeadShardRows",
+    "check_sequence_mixers",
+    "get_gated_delta_net_with_context_parallel_spec",
+]
 
 # fla's l2norm epsilon, which megatron's GatedDeltaNet applies to queries and keys.
 _L2NORM_EPS = 1e-6
@@ -249,15 +255,26 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         if cp == 1:
             return gather_rows(local, tables.to_source)
         n = local.shape[0]
-        # Rank c's block: the c-th 1/cp of every section (q, k, v, z, beta, alpha), one copy.
-        sections = torch.split(local, list(self.in_proj_split_sections), dim=1)
-        send = torch.cat(
-            [s.reshape(n, cp, s.shape[1] // cp).transpose(0, 1) for s in sections], dim=2
-        )
         received = all_to_all_over_context_parallel_region(
-            send.reshape(cp * n, send.shape[2]), [n] * cp, tables.counts, group
+            self._head_blocks(local, cp), [n] * cp, tables.counts, group
         )
         return gather_rows(received, tables.to_source)
+
+    def _head_blocks(self, local: Tensor, cp: int) -> Tensor:
+        """``[n, D]`` -> ``[cp * n, D / cp]``: block ``c`` holds the ``c``-th ``1/cp`` of every
+        section (q, k, v, z, beta, alpha) of the ``n`` rows, in one copy."""
+        n = local.shape[0]
+        sections = torch.split(local, list(self.in_proj_split_sections), dim=1)
+        blocks = torch.cat(
+            [s.reshape(n, cp, s.shape[1] // cp).transpose(0, 1) for s in sections], dim=2
+        )
+        return blocks.reshape(cp * n, blocks.shape[2])
+
+    @staticmethod
+    def _side_by_side(received: Tensor, rows: int, cp: int) -> Tensor:
+        """``[cp * rows, V / cp]`` (block ``c``: head chunk ``c`` of the rows) -> ``[rows, V]``."""
+        width = received.shape[1]
+        return received.reshape(cp, rows, width).transpose(0, 1).reshape(rows, cp * width)
 
     def _to_row_shard(
         self, mixed: Tensor, rows: int, cp: int, group, tables: HeadShardRows
@@ -267,9 +284,7 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         if cp == 1:
             return back
         received = all_to_all_over_context_parallel_region(back, tables.counts, [rows] * cp, group)
-        # Block c holds heads chunk c of this rank's rows; side by side they are all heads.
-        width = mixed.shape[1]
-        return received.reshape(cp, rows, width).transpose(0, 1).reshape(rows, cp * width)
+        return self._side_by_side(received, rows, cp)
 
     # ------------------------------------------------------------------ the mixing
 
@@ -299,9 +314,19 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         decay = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         beta = beta.sigmoid()
 
-        fused = x.device.type == "cuda" and _gdn_common.HAVE_FLA
-        if fused:
-            qkv, _ = _gdn_common.causal_conv1d(
+        qkv = self._convolve(qkv, weight, bias, tables)
+        query, key, value = torch.split(qkv, [qk, qk, v], dim=1)
+        query, key = query.reshape(1, n, hk, dk), key.reshape(1, n, hk, dk)
+        core = self._delta_rule(query, key, value.reshape(1, n, hv, dv), decay, beta, tables)
+        return self._gated_norm(core.reshape(n, hv, dv), gate.reshape(n, hv, dv)).reshape(n, -1)
+
+    def _convolve(
+        self, qkv: Tensor, weight: Tensor, bias: Optional[Tensor], tables: HeadShardRows
+    ) -> Tensor:
+        """Causal depthwise convolution and activation of ``[owned, C]`` source-ordered rows,
+        per packed sequence: fla's kernel on CUDA, ``_causal_depthwise_conv`` elsewhere."""
+        if qkv.device.type == "cuda" and _gdn_common.HAVE_FLA:
+            out, _ = _gdn_common.causal_conv1d(
                 x=qkv.unsqueeze(0),
                 weight=weight,
                 bias=bias,
@@ -309,14 +334,17 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
                 cu_seqlens=tables.cu_seqlens,
                 cu_seqlens_cpu=tables.cu_seqlens_cpu,
             )
-            qkv = qkv[0]
-        else:
-            qkv = self.act_fn(_causal_depthwise_conv(qkv, weight, bias, tables.offsets))
-        query, key, value = torch.split(qkv, [qk, qk, v], dim=1)
-        query, key = query.reshape(1, n, hk, dk), key.reshape(1, n, hk, dk)
-        value = value.reshape(1, n, hv, dv)
+            return out[0]
+        return self.act_fn(_causal_depthwise_conv(qkv, weight, bias, tables.offsets))
 
-        if fused:
+    def _delta_rule(self, query, key, value, decay, beta, tables: HeadShardRows) -> Tensor:
+        """The gated delta rule per packed sequence: fla's chunked kernel on CUDA (grouped
+        values, l2norm in the kernel), megatron-core's torch rule elsewhere.
+
+        ``query``, ``key``: ``[1, owned, hk, dk]``; ``value``: ``[1, owned, hv, dv]``;
+        ``decay`` (log space, fp32), ``beta``: ``[owned, hv]``. Returns ``[1, owned, hv, dv]``.
+        """
+        if query.device.type == "cuda" and _gdn_common.HAVE_FLA:
             core, _ = _gdn_common.chunk_gated_delta_rule(
                 query,
                 key,
@@ -327,9 +355,8 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
                 cu_seqlens=tables.cu_seqlens,
                 cu_seqlens_cpu=tables.cu_seqlens_cpu,
             )
-        else:
-            core = self._delta_rule_torch(query, key, value, decay, beta, tables)
-        return self._gated_norm(core.reshape(n, hv, dv), gate.reshape(n, hv, dv)).reshape(n, -1)
+            return core
+        return self._delta_rule_torch(query, key, value, decay, beta, tables)
 
     def _delta_rule_torch(self, query, key, value, decay, beta, tables: HeadShardRows) -> Tensor:
         """megatron-core's torch chunked rule, one call per packed sequence (it takes no
@@ -359,6 +386,25 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         normed = self.out_norm(core.reshape(-1, core.shape[-1]))
         gated = normed * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
         return gated.to(core.dtype).reshape(core.shape)
+
+
+def get_gated_delta_net_with_context_parallel_spec() -> ModuleSpec:
+    """The mixer spec of a GDN layer from megatron-core's local modules (no TransformerEngine).
+
+    ``ContextParallelGatedDeltaNet`` with ``ColumnParallelLinear`` in, ``WrappedTorchNorm`` (the
+    config's normalization, per value head) as output norm and ``RowParallelLinear`` out: the
+    counterpart of ``hybrid_stack_spec``'s GDN mixer, whose projections are TE modules. The
+    layer around it normalises its input (``input_layernorm``), which TE fuses into ``in_proj``.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return ModuleSpec(
+        module=ContextParallelGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear
+        ),
+    )
 
 
 def _is_exact_for_megatron_layout(plan: ContextParallelPlan, cu: Optional[Sequence[int]]) -> bool:
