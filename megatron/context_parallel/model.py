@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron.context_parallel import groups
+from megatron.context_parallel import groups, hybrid
 from megatron.context_parallel.attention import (
     ContextParallelAttention,
     ContextParallelParams,
@@ -160,15 +160,16 @@ def _as_sequence(t: Tensor, what: str, seq_len: Optional[int] = None) -> Tensor:
 
 
 def _unwrap(model):
-    """The GPTModel (or pipeline stage of one) inside DDP / Float16Module style wrappers."""
+    """The GPTModel or HybridModel (or pipeline stage of one) inside DDP / Float16Module style
+    wrappers."""
     inner = model
     while not hasattr(inner, "decoder") and hasattr(inner, "module"):
         inner = inner.module
     for name in ("decoder", "config", "position_embedding_type"):
         if not hasattr(inner, name):
             raise TypeError(
-                f"context_parallel_batch needs a megatron-core GPTModel (or a pipeline stage of "
-                f"one); {type(model).__name__} has no {name!r}"
+                f"context_parallel_batch needs a megatron-core GPTModel or HybridModel (or a "
+                f"pipeline stage of one); {type(model).__name__} has no {name!r}"
             )
     return inner
 
@@ -188,7 +189,8 @@ def _check_model(gpt) -> None:
 def _attention_backend(gpt) -> Tuple[str, str]:
     """(backend, the layers' attention modules in words, for messages)."""
     kinds, names = set(), set()
-    for layer in gpt.decoder.layers:
+    is_hybrid = hybrid.is_hybrid_model(gpt)
+    for layer in hybrid.attention_layers(gpt) if is_hybrid else gpt.decoder.layers:
         attention = getattr(layer, "self_attention", None)
         core = getattr(attention, "core_attention", None)
         names.add(f"{type(attention).__name__} with {type(core).__name__}")
@@ -511,6 +513,10 @@ def _prepare_batch(
     rotary = gpt.position_embedding_type == "rope"
     backend, module = _attention_backend(gpt)
     _check_plan_for_backend(backend, module, plan, cu, host_positions, rotary)
+    if hybrid.is_hybrid_model(gpt):
+        # HybridModel.forward takes no output_processor: hooks on the model add it.
+        hybrid.check_layers(gpt, plan, cu)
+        hybrid.attach_head(gpt)
 
     # This rank's rows (an index, no communication: ids carry no gradient), plus one padding row
     # on an empty rank: megatron-core's layers cannot run zero rows.
