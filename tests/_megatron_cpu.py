@@ -141,6 +141,7 @@ def build_tiny_gpt(
     vp_stage: Optional[int] = None,
     pattern: Optional[str] = None,
     attention_output_gate: bool = False,
+    num_experts: Optional[int] = None,
 ):
     """The tiny fp32 GPTModel or HybridModel (or this rank's pipeline stage of it).
 
@@ -164,6 +165,10 @@ def build_tiny_gpt(
             ``reference`` its attention layers are megatron-core's ``SelfAttention`` and
             ``DotProductAttention`` instead of the package's.
         attention_output_gate: megatron's gated attention output (``config``).
+        num_experts: experts of the MoE layers (``E`` in ``pattern``): top-2 routing without
+            token dropping or auxiliary loss, megatron's ``allgather`` dispatcher (its
+            ``alltoall`` one makes a CUDA stream), no linear biases (megatron's local experts
+            add theirs in place on a view, which autograd refuses).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -197,6 +202,14 @@ def build_tiny_gpt(
         hidden_dropout=0.0,
         attention_output_gate=attention_output_gate,
     )
+    if num_experts is not None:
+        config.num_moe_experts = num_experts
+        config.moe_router_topk = 2
+        config.moe_ffn_hidden_size = 32
+        config.moe_token_dispatcher_type = "allgather"
+        config.moe_router_load_balancing_type = "none"
+        config.moe_aux_loss_coeff = 0.0
+        config.add_bias_linear = False
     kwargs = dict(
         vocab_size=TINY["vocab_size"],
         max_sequence_length=TINY["max_seq_len"],

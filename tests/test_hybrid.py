@@ -18,8 +18,12 @@ import test_model
 import torch
 from _dist import run_distributed
 
-from megatron.context_parallel import context_parallel_batch, context_parallel_forward
-from megatron.context_parallel.hybrid import get_hybrid_stack_with_context_parallel_spec
+from megatron.context_parallel import (
+    context_parallel_batch,
+    context_parallel_forward,
+    get_hybrid_stack_with_context_parallel_spec,
+)
+from megatron.context_parallel.plan import ContextParallelPlan
 
 DENSE = "*-*-"
 KINDS = test_model.KINDS + ("permuted",)
@@ -43,8 +47,11 @@ def test_dense_pattern_cp2_every_plan_gated_attention_gqa():
     test_model._check(run_distributed(test_model._world, 2, cases, {}))
 
 
-def test_dense_pattern_cp3_every_plan():
-    test_model._check(run_distributed(test_model._world, 3, _cases(3, 40), {}))
+def test_dense_pattern_cp3_every_plan_and_moe():
+    moe = test_model._cases(
+        3, seed=70, kinds=("uneven", "permuted", "thd"), pattern="*E-E", num_experts=4
+    )
+    test_model._check(run_distributed(test_model._world, 3, _cases(3, 40) + moe, {}))
 
 
 def test_dense_pattern_cp4_every_plan_and_dp2_cp2():
@@ -149,6 +156,24 @@ def test_head_hooks_leave_the_plain_forward_alone():
     assert result["hooks"] == 2
 
 
+def _capacity(rank, world_size):
+    mc.init_parallel(1, world_size)
+    model = mc.build_tiny_gpt(pattern="*E", num_experts=4)
+    model.config.moe_expert_capacity_factor = 1.0
+    ids = torch.arange(24)
+    try:
+        context_parallel_forward(model, ids, ids)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_moe_with_token_dropping_refused_under_cp():
+    for message in run_distributed(_capacity, 2):
+        assert message is not None and "layer 2 ('E', MoE)" in message, message
+        assert "capacity factor 1.0" in message and "ContextParallelPlan(cp_size=2" in message
+
+
 def test_spec_refuses_gdn_and_mamba_naming_the_symbol():
     def build(pattern):
         from megatron.core.models.hybrid.hybrid_model import HybridModel
@@ -177,3 +202,43 @@ def test_spec_refuses_gdn_and_mamba_naming_the_symbol():
     ((gdn, mamba),) = run_distributed(messages, 1)
     assert gdn is not None and "'G' (Gated DeltaNet)" in gdn, gdn
     assert mamba is not None and "'M' (Mamba)" in mamba, mamba
+
+
+def _megatron_gdn(rank, world_size):
+    """A layer holding megatron-core's own GatedDeltaNet (only its type is read before the
+    model runs, so it is made without its fla kernels): zigzag of one sequence passes the
+    batch, any other plan or packing raises on every rank, naming the plan and the layer."""
+    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+
+    mc.init_parallel(1, world_size)
+    model = mc.build_tiny_gpt(pattern=DENSE)
+    megatron_gdn = GatedDeltaNet.__new__(GatedDeltaNet)
+    torch.nn.Module.__init__(megatron_gdn)
+    # Layer 2 stands in for a 'G' layer of megatron's own hybrid spec.
+    model.decoder.layer_type_list[1] = "G"
+    model.decoder.layers[1].self_attention = megatron_gdn
+    ids = torch.arange(24)
+    results = {}
+    for name, kwargs in (
+        ("zigzag", {}),
+        ("contiguous", dict(plan=ContextParallelPlan.contiguous(24, world_size))),
+        ("packed", dict(cu_seqlens=(0, 8, 24))),
+    ):
+        try:
+            context_parallel_batch(model, ids, ids, **kwargs)
+            results[name] = None
+        except ValueError as exc:
+            results[name] = str(exc)
+    return results
+
+
+def test_megatron_gdn_refuses_plans_it_would_get_wrong():
+    per_rank = run_distributed(_megatron_gdn, 2)
+    assert per_rank[0] == per_rank[1]
+    results = per_rank[0]
+    assert results["zigzag"] is None
+    for name in ("contiguous", "packed"):
+        message = results[name]
+        assert message is not None and "layer 2 ('G', megatron-core's GatedDeltaNet)" in message
+        assert "ContextParallelPlan(cp_size=2" in message, message
+    assert "with packed sequences" in results["packed"]

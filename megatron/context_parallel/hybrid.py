@@ -137,7 +137,10 @@ def get_hybrid_stack_with_context_parallel_spec(
       row's source position; ``config.attention_output_gate`` as megatron's ``SelfAttention``
       applies it) and ``ContextParallelAttention`` (any plan);
     * ``-``: megatron's ``MLPLayer`` with a norm and the local ``MLP``;
-    * ``E``: megatron's ``MoETransformerLayer`` with the local MoE (``SequentialMLP`` experts);
+    * ``E``: megatron's ``MoETransformerLayer`` with the local MoE (``SequentialMLP`` experts):
+      routing is per token, so with dropless routing (no ``moe_expert_capacity_factor``) any
+      plan is right; a capacity factor under CP raises (``check_layers``). Auxiliary
+      load-balancing losses are megatron's own (each rank's tokens, global counts);
     * ``G``, ``M``: not yet; building a model whose pattern has them raises ``ValueError``.
 
     Args:
@@ -208,11 +211,16 @@ def attention_layers(hybrid) -> List[torch.nn.Module]:
 
 
 def _megatron_mixer(layer) -> Optional[str]:
-    """The name of megatron-core's own GDN / Mamba module in ``layer``, or None."""
+    """The name of megatron-core's own GDN / Mamba module in ``layer``, or None.
+
+    Exact types: a subclass (a CP module built on megatron's) states its own plan support.
+    """
+    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
     for module in (getattr(layer, "self_attention", None), getattr(layer, "mixer", None)):
-        name = type(module).__name__
-        if name in ("GatedDeltaNet", "MambaMixer"):
-            return name
+        if type(module) in (GatedDeltaNet, MambaMixer):
+            return type(module).__name__
     return None
 
 
@@ -220,10 +228,12 @@ def check_layers(hybrid, plan: ContextParallelPlan, cu_seqlens) -> None:
     """ValueError naming the plan and the layer when a layer of ``hybrid`` would mix rows in
     the wrong order under ``plan``; TypeError for layer kinds the package cannot place.
 
-    Attention layers are checked by the batch with the GPTModel rules; MLP and MoE layers act
-    on each row alone. megatron-core's ``GatedDeltaNet`` / ``MambaMixer`` get the batch as one
-    sequence in Megatron's zigzag layout (they undo it before the recurrence), so: no packing,
-    and under CP exactly ``ContextParallelPlan.zigzag(S, cp)``; at CP 1 rows in source order.
+    Attention layers are checked by the batch with the GPTModel rules; MLP layers act on each
+    row alone, and so do MoE layers with dropless routing (with a capacity factor, each CP
+    rank drops its own tokens: refused under CP). megatron-core's own ``GatedDeltaNet`` /
+    ``MambaMixer`` get the batch as one sequence in Megatron's zigzag layout (they undo it
+    before the recurrence), so: no packing, and under CP exactly
+    ``ContextParallelPlan.zigzag(S, cp)``; at CP 1 rows in source order.
     """
     decoder = hybrid.decoder
     for symbol, layer in zip(decoder.layer_type_list, decoder.layers):
@@ -231,6 +241,13 @@ def check_layers(hybrid, plan: ContextParallelPlan, cu_seqlens) -> None:
             raise TypeError(
                 f"layer {layer.layer_number} ({symbol!r}, {type(layer).__name__}): "
                 "multi-latent and sparse attention do not run under the package's CP"
+            )
+        capacity = getattr(hybrid.config, "moe_expert_capacity_factor", None)
+        if symbol == Symbols.MOE and plan.cp_size > 1 and capacity is not None:
+            raise ValueError(
+                f"layer {layer.layer_number} ('E', MoE) drops tokens beyond capacity factor "
+                f"{capacity} per CP rank, so which tokens survive depends on the plan; got "
+                f"{plan}. Run CP with dropless routing (moe_expert_capacity_factor=None)"
             )
         name = _megatron_mixer(layer)
         if name is None:

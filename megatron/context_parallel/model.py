@@ -11,7 +11,10 @@ order on every CP rank. A megatron ``forward_step_func`` calls it and then the m
     output = model(**batch.forward_kwargs())   # ForwardOutput on the last pipeline stage
 
 so megatron-core's schedules, ``DistributedDataParallel``, ``finalize_model_grads`` and pipeline
-stages run unchanged. ``context_parallel_forward`` is exactly those two lines.
+stages run unchanged. ``context_parallel_forward`` is exactly those two lines. A megatron-core
+``HybridModel`` goes through the same two lines: its forward has no ``output_processor``, so the
+batch attaches hooks that add one (``megatron.context_parallel.hybrid``), and its attention
+layers follow the rules below while its other layers are checked there.
 
 Positions: every local row keeps its *source* position. Learned absolute embeddings get the
 caller's ``position_ids`` of those rows; rotary embeddings are evaluated at them by
@@ -202,9 +205,14 @@ def _attention_backend(gpt) -> Tuple[str, str]:
         elif type(core).__name__ == "DotProductAttention":
             kinds.add(_LOCAL)
         else:
+            spec = (
+                "get_hybrid_stack_with_context_parallel_spec()"
+                if is_hybrid
+                else "get_gpt_layer_with_context_parallel_spec()"
+            )
             raise TypeError(
                 f"unsupported core attention {type(core).__name__}; build the model with "
-                "get_gpt_layer_with_context_parallel_spec() (or TE's spec for zigzag / THD plans)"
+                f"{spec} (or TE's spec for zigzag / THD plans)"
             )
     if not kinds:
         return _NO_LAYERS, "no layers"
