@@ -6,8 +6,9 @@ spec()``; the reference is the same ``HybridModel`` with megatron-core's ``SelfA
 through its own forward (no output processor, no hooks). Every output field and every
 parameter gradient (summed over CP) must equal the reference within 1e-5 in fp32, for CP 2, 3
 and 4 and every plan kind: zigzag, contiguous, THD, uneven with an empty rank and shuffled
-rows, and equal shards of a shuffled packing. megatron's schedules with DDP, DP 2 x CP 2 with
-its optimizer and PP 2 x CP 2 stages reuse the GPTModel cases of ``test_megatron_native``.
+rows, and equal shards of a shuffled packing; TP 2 x CP 2 and DP 2 x CP 2 too, and MoE
+layers. megatron's schedules with DDP, DP 2 x CP 2 with its optimizer and PP 2 x CP 2 stages
+(interleaved too) reuse the GPTModel cases of ``test_megatron_native``.
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ def test_dense_pattern_cp3_every_plan_and_moe():
     test_model._check(run_distributed(test_model._world, 3, _cases(3, 40) + moe, {}))
 
 
-def test_dense_pattern_cp4_every_plan_and_dp2_cp2():
+def test_dense_pattern_cp4_every_plan_tp2_cp2_and_dp2_cp2():
+    tp2 = test_model._cases(2, tp=2, seed=55, kinds=("thd", "uneven"), pattern=DENSE)
     dp_cases = test_model._cases(2, seed=60, kinds=("uneven", "thd"), pattern=DENSE)
-    test_model._check(run_distributed(test_model._world, 4, _cases(4, 50), {"dp_cases": dp_cases}))
+    test_model._check(
+        run_distributed(test_model._world, 4, _cases(4, 50) + tp2, {"dp_cases": dp_cases})
+    )
 
 
 # ---------------------------------------------------------------------------------------------
