@@ -25,14 +25,16 @@ Parameter gradients: rank ``c`` computes the convolution, ``A_log`` and ``dt_bia
 its heads only, and the projections' gradients of its own rows; their sum over the CP group
 (Megatron's DDP reduces over DP x CP) is the single-device gradient.
 
-``check_sequence_mixers`` refuses, before a model runs, megatron-core's own ``GatedDeltaNet`` and
-``MambaMixer`` under a plan their fixed layout would get wrong.
+``get_gated_delta_net_with_context_parallel_spec`` is its mixer spec from local modules (the
+``G`` layer of ``hybrid.get_hybrid_stack_with_context_parallel_spec``). megatron-core's own
+``GatedDeltaNet`` and ``MambaMixer`` are refused under plans they would get wrong by
+``hybrid.check_layers``, before the model runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +52,6 @@ from megatron.context_parallel.plan import ContextParallelPlan
 __all__ = [
     "ContextParallelGatedDeltaNet",
     "HeadShardRows",
-    "check_sequence_mixers",
     "get_gated_delta_net_with_context_parallel_spec",
 ]
 
@@ -405,53 +406,3 @@ def get_gated_delta_net_with_context_parallel_spec() -> ModuleSpec:
             in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear
         ),
     )
-
-
-def _is_exact_for_megatron_layout(plan: ContextParallelPlan, cu: Optional[Sequence[int]]) -> bool:
-    """Whether megatron's own sequence mixers (``sbhd`` path) see every row in order: one
-    sequence, rows in source order at CP 1 or Megatron's zigzag layout beyond."""
-    if cu is not None and len(cu) > 2:
-        return False
-    if plan.cp_size == 1:
-        return bool(torch.equal(plan.local_positions(0), torch.arange(plan.seq_len)))
-    if plan.seq_len % (2 * plan.cp_size):
-        return False
-    zigzag = ContextParallelPlan.zigzag(plan.seq_len, plan.cp_size)
-    return all(
-        torch.equal(plan.local_positions(r), zigzag.local_positions(r)) for r in range(plan.cp_size)
-    )
-
-
-def check_sequence_mixers(
-    modules: Iterable[torch.nn.Module], plan: ContextParallelPlan, cu: Optional[Sequence[int]]
-) -> None:
-    """Refuses megatron-core's own GDN / Mamba mixers under a plan they would get wrong.
-
-    megatron-core's ``GatedDeltaNet`` and ``MambaMixer``, given the package's ``sbhd`` params,
-    undo Megatron's zigzag layout and run one sequence: right only for that layout of one
-    sequence (or rows in source order at CP 1). ``ContextParallelGatedDeltaNet`` runs any plan.
-
-    Args:
-        modules: the model's modules (``model.modules()``).
-        plan: the batch's plan (the same on every rank, so every rank raises alike).
-        cu: the batch's ``cu_seqlens`` or None.
-
-    Raises:
-        ValueError: naming the plan and the layer.
-    """
-    from megatron.core.ssm.mamba_mixer import MambaMixer
-
-    for module in modules:
-        if isinstance(module, ContextParallelGatedDeltaNet):
-            module._check_heads(plan.cp_size)
-            continue
-        if not isinstance(module, (GatedDeltaNet, MambaMixer)):
-            continue
-        if not _is_exact_for_megatron_layout(plan, cu):
-            packed = "" if cu is None else f" with {len(cu) - 1} packed sequences"
-            raise ValueError(
-                f"{type(module).__name__} (layer {getattr(module, 'layer_number', '?')}) runs "
-                f"its recurrence over megatron-core's zigzag layout of one sequence, which is "
-                f"wrong for the rows of {plan}{packed}; build the layer with "
-                "ContextParallelGatedDeltaNet (get_hybrid_stack_with_context_parallel_spec)"
-            )

@@ -11,7 +11,10 @@ order on every CP rank. A megatron ``forward_step_func`` calls it and then the m
     output = model(**batch.forward_kwargs())   # ForwardOutput on the last pipeline stage
 
 so megatron-core's schedules, ``DistributedDataParallel``, ``finalize_model_grads`` and pipeline
-stages run unchanged. ``context_parallel_forward`` is exactly those two lines.
+stages run unchanged. ``context_parallel_forward`` is exactly those two lines. A megatron-core
+``HybridModel`` goes through the same two lines: its forward has no ``output_processor``, so the
+batch attaches hooks that add one (``megatron.context_parallel.hybrid``), and its attention
+layers follow the rules below while its other layers are checked there.
 
 Positions: every local row keeps its *source* position. Learned absolute embeddings get the
 caller's ``position_ids`` of those rows; rotary embeddings are evaluated at them by
@@ -32,10 +35,6 @@ Attention backends, found from the layers' modules; combinations that cannot be 
 * megatron-core's ``DotProductAttention``: CP 1 only, rows whose rotary positions are
   ``0 .. n-1`` in row order (any row order and packing without rotary); an explicit mask
   keeps attention causal by source position and within each sequence.
-
-Sequence mixers: megatron-core's own ``GatedDeltaNet`` and ``MambaMixer`` run only where their
-zigzag layout of one sequence is exact (``gdn.check_sequence_mixers``);
-``ContextParallelGatedDeltaNet`` runs any plan.
 """
 
 from __future__ import annotations
@@ -48,14 +47,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron.context_parallel import groups
+from megatron.context_parallel import groups, hybrid
 from megatron.context_parallel.attention import (
     ContextParallelAttention,
     ContextParallelParams,
     ContextParallelSelfAttention,
     default_position_ids,
 )
-from megatron.context_parallel.gdn import check_sequence_mixers
 from megatron.context_parallel.head import ForwardOutput, OutputOptions, make_output_processor
 from megatron.context_parallel.plan import ContextParallelPlan, as_cu_seqlens
 from megatron.context_parallel.rotary import megatron_rotary_is_exact, rotary_table_length
@@ -165,15 +163,16 @@ def _as_sequence(t: Tensor, what: str, seq_len: Optional[int] = None) -> Tensor:
 
 
 def _unwrap(model):
-    """The GPTModel (or pipeline stage of one) inside DDP / Float16Module style wrappers."""
+    """The GPTModel or HybridModel (or pipeline stage of one) inside DDP / Float16Module style
+    wrappers."""
     inner = model
     while not hasattr(inner, "decoder") and hasattr(inner, "module"):
         inner = inner.module
     for name in ("decoder", "config", "position_embedding_type"):
         if not hasattr(inner, name):
             raise TypeError(
-                f"context_parallel_batch needs a megatron-core GPTModel (or a pipeline stage of "
-                f"one); {type(model).__name__} has no {name!r}"
+                f"context_parallel_batch needs a megatron-core GPTModel or HybridModel (or a "
+                f"pipeline stage of one); {type(model).__name__} has no {name!r}"
             )
     return inner
 
@@ -193,7 +192,8 @@ def _check_model(gpt) -> None:
 def _attention_backend(gpt) -> Tuple[str, str]:
     """(backend, the layers' attention modules in words, for messages)."""
     kinds, names = set(), set()
-    for layer in gpt.decoder.layers:
+    is_hybrid = hybrid.is_hybrid_model(gpt)
+    for layer in hybrid.attention_layers(gpt) if is_hybrid else gpt.decoder.layers:
         attention = getattr(layer, "self_attention", None)
         core = getattr(attention, "core_attention", None)
         names.add(f"{type(attention).__name__} with {type(core).__name__}")
@@ -205,9 +205,14 @@ def _attention_backend(gpt) -> Tuple[str, str]:
         elif type(core).__name__ == "DotProductAttention":
             kinds.add(_LOCAL)
         else:
+            spec = (
+                "get_hybrid_stack_with_context_parallel_spec()"
+                if is_hybrid
+                else "get_gpt_layer_with_context_parallel_spec()"
+            )
             raise TypeError(
                 f"unsupported core attention {type(core).__name__}; build the model with "
-                "get_gpt_layer_with_context_parallel_spec() (or TE's spec for zigzag / THD plans)"
+                f"{spec} (or TE's spec for zigzag / THD plans)"
             )
     if not kinds:
         return _NO_LAYERS, "no layers"
@@ -516,7 +521,10 @@ def _prepare_batch(
     rotary = gpt.position_embedding_type == "rope"
     backend, module = _attention_backend(gpt)
     _check_plan_for_backend(backend, module, plan, cu, host_positions, rotary)
-    check_sequence_mixers(gpt.modules(), plan, cu)
+    if hybrid.is_hybrid_model(gpt):
+        # HybridModel.forward takes no output_processor: hooks on the model add it.
+        hybrid.check_layers(gpt, plan, cu)
+        hybrid.attach_head(gpt)
 
     # This rank's rows (an index, no communication: ids carry no gradient), plus one padding row
     # on an empty rank: megatron-core's layers cannot run zero rows.
