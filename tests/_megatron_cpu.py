@@ -28,6 +28,15 @@ __all__ = [
 
 # The tiny model of the end-to-end tests.
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, max_seq_len=128)
+# The Gated DeltaNet layers ('G') of tiny hybrids: heads divide by CP 2, 3 and 4, two value heads
+# per key head; SiLU as Qwen3.5 (and megatron's fla path) use.
+TINY_GDN = dict(
+    linear_num_key_heads=12,
+    linear_num_value_heads=24,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
 
 
 class _NoStream:
@@ -202,6 +211,10 @@ def build_tiny_gpt(
         hidden_dropout=0.0,
         attention_output_gate=attention_output_gate,
     )
+    if pattern is not None and "G" in pattern:
+        for name, value in TINY_GDN.items():
+            setattr(config, name, value)
+        config.activation_func = torch.nn.functional.silu
     if num_experts is not None:
         config.num_moe_experts = num_experts
         config.moe_router_topk = 2
@@ -236,7 +249,8 @@ def build_tiny_gpt(
 
 def _hybrid_spec(reference: bool):
     """The package's hybrid stack spec; with ``reference``, megatron-core's own attention in
-    its attention layers (``SelfAttention`` + ``DotProductAttention``, CP 1 only)."""
+    its attention layers (``SelfAttention`` + ``DotProductAttention``, CP 1 only) and the tests'
+    plain-torch Gated DeltaNet (``_gdn_ref``) in its GDN layers."""
     import dataclasses
 
     from megatron.core.transformer.attention import SelfAttention
@@ -247,6 +261,14 @@ def _hybrid_spec(reference: bool):
     spec = get_hybrid_stack_with_context_parallel_spec()
     if not reference:
         return spec
+    from _gdn_ref import PlainGatedDeltaNet
+
+    gdn = spec.submodules.gdn_layer
+    mixer = dataclasses.replace(gdn.submodules.self_attention, module=PlainGatedDeltaNet)
+    gdn = dataclasses.replace(
+        gdn, submodules=dataclasses.replace(gdn.submodules, self_attention=mixer)
+    )
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, gdn_layer=gdn))
     layer = spec.submodules.attention_layer
     attention = layer.submodules.self_attention
     attention = dataclasses.replace(

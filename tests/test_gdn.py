@@ -12,13 +12,12 @@ gradient must agree within 1e-5.
 
 from __future__ import annotations
 
-import dataclasses
-
 import _megatron_cpu as mc
 import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_distributed
+from _gdn_ref import gated_delta_net_sequence
 
 from megatron.context_parallel.plan import ContextParallelPlan
 
@@ -143,48 +142,7 @@ def _world(rank, world_size, cases):
 
 
 # ---------------------------------------------------------------------------------------------
-# The reference: one device, plain torch, loops over time.
-
-
-def _reference_sequence(proj, state, shape):
-    """Conv, gated delta rule and gated norm of one sequence's projected rows ``[L, D]``."""
-    hk, hv = shape["key_heads"], shape["value_heads"]
-    dk, dv, width = shape["key_dim"], shape["value_dim"], shape["kernel"]
-    qk, v = hk * dk, hv * dv
-    length = proj.shape[0]
-    qkv, gate, beta, alpha = torch.split(proj, [2 * qk + v, v, hv, hv], dim=1)
-    weight = state["conv1d.weight"][:, 0]  # [C, K]
-    conv = []
-    for t in range(length):
-        acc = torch.zeros(qkv.shape[1])
-        for j in range(width):
-            source = t - (width - 1) + j
-            if source >= 0:
-                acc = acc + weight[:, j] * qkv[source]
-        conv.append(F.silu(acc))
-    conv = torch.stack(conv)
-    q, k, val = torch.split(conv, [qk, qk, v], dim=1)
-    # fla's l2norm, which megatron's GatedDeltaNet applies: x / sqrt(sum(x^2) + 1e-6).
-    q, k = q.reshape(length, hk, dk), k.reshape(length, hk, dk)
-    q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
-    k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
-    q = q.repeat_interleave(hv // hk, dim=1) / dk**0.5
-    k = k.repeat_interleave(hv // hk, dim=1)
-    val = val.reshape(length, hv, dv)
-    decay = -state["A_log"].exp() * F.softplus(alpha + state["dt_bias"])
-    beta = beta.sigmoid()
-    memory = torch.zeros(hv, dk, dv)
-    core = []
-    for t in range(length):
-        memory = memory * decay[t].exp()[:, None, None]
-        recalled = torch.einsum("hk,hkv->hv", k[t], memory)
-        delta = (val[t] - recalled) * beta[t][:, None]
-        memory = memory + k[t][:, :, None] * delta[:, None, :]
-        core.append(torch.einsum("hk,hkv->hv", q[t], memory))
-    core = torch.stack(core)
-    normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + 1e-5)
-    normed = normed * state["out_norm.weight"] * F.silu(gate.reshape(length, hv, dv))
-    return normed.reshape(length, v)
+# The reference: one device, plain torch, loops over time (_gdn_ref).
 
 
 def _reference(kind, cp, seed, state, shape=SHAPE, dtype=torch.float32):
@@ -196,12 +154,25 @@ def _reference(kind, cp, seed, state, shape=SHAPE, dtype=torch.float32):
     owned = torch.nonzero(plan.owned_mask()).flatten()
     x = x.requires_grad_()
     proj = x @ state["in_proj.weight"].T
+
+    def norm(core):
+        return (
+            core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + 1e-5) * state["out_norm.weight"]
+        )
+
     bounds = [0, plan.seq_len] if cu is None else list(cu)
     out = torch.zeros(plan.seq_len, HIDDEN)
     for start, end in zip(bounds[:-1], bounds[1:]):
         rows = owned[(owned >= start) & (owned < end)]
         if rows.numel():
-            mixed = _reference_sequence(proj[rows], state, shape)
+            mixed = gated_delta_net_sequence(
+                proj[rows],
+                state["conv1d.weight"][:, 0],
+                state["A_log"],
+                state["dt_bias"],
+                norm,
+                shape,
+            )
             out = out.index_put((rows,), mixed @ state["out_proj.weight"].T)
     (out[owned] * weights[owned]).sum().backward()
     grads = {k: v.grad for k, v in state.items()}
@@ -236,54 +207,34 @@ def test_gdn_layer_any_plan_equals_plain_torch_cp1(cp):
 
 
 def _refusals(rank, world_size):
-    """Every rank: (the head-count error, which plans megatron's own GDN is refused under)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
-    from megatron.core.transformer.spec_utils import build_module
+    """Every rank's messages: a layer built at CP 2 with 3 key heads, and a batch at CP 2 for a
+    hybrid built (at CP 1) with 3 key heads."""
+    from megatron.core import parallel_state as ps
 
-    from megatron.context_parallel.gdn import (
-        check_sequence_mixers,
-        get_gated_delta_net_with_context_parallel_spec,
-    )
+    from megatron.context_parallel import context_parallel_batch
 
     mc.init_parallel(1, world_size)
+    messages = []
     try:
         _build(world_size, dict(SHAPE, key_heads=3, value_heads=9))
-        heads = None
+        messages.append(None)
     except ValueError as exc:
-        heads = str(exc)
-    spec = get_gated_delta_net_with_context_parallel_spec()
-    megatrons = build_module(
-        dataclasses.replace(spec, module=GatedDeltaNet),
-        _config(world_size),
-        layer_number=3,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
-    )
-    verdicts = {}
-    for kind in KINDS:
-        plan, cu = _plan(kind, world_size, 7)
-        try:
-            check_sequence_mixers([megatrons], plan, cu)
-            verdicts[kind] = "runs"
-        except ValueError as exc:
-            assert "GatedDeltaNet (layer 3)" in str(exc) and repr(plan) in str(exc), exc
-            verdicts[kind] = "refused"
-    # The package's own layer passes the same check for every plan.
-    ours = _build(world_size)
-    for kind in KINDS:
-        check_sequence_mixers([ours], *_plan(kind, world_size, 7))
-    return heads, verdicts
+        messages.append(str(exc))
+    mc.init_parallel(1, 1)
+    mc.TINY_GDN = dict(mc.TINY_GDN, linear_num_key_heads=3, linear_num_value_heads=9)
+    model = mc.build_tiny_gpt(pattern="*G")
+    mc.init_parallel(1, world_size)
+    try:
+        context_parallel_batch(model, torch.arange(24), cp_group=ps.get_context_parallel_group())
+        messages.append(None)
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
 
 
-def test_heads_not_dividing_cp_and_megatron_gdn_under_other_plans_raise_on_every_rank():
-    for heads, verdicts in run_distributed(_refusals, 2):
-        assert heads is not None and "3 key heads and 9 value heads" in heads, heads
-        assert "CP 2" in heads, heads
-        # Only Megatron's zigzag layout of one sequence is what its own all-to-all assumes.
-        assert verdicts == {
-            "zigzag": "runs",
-            "contiguous": "refused",
-            "thd": "refused",
-            "uneven": "refused",
-            "unowned": "refused",
-        }, verdicts
+def test_heads_not_dividing_cp_raise_on_every_rank_at_build_and_at_the_batch():
+    for built, batch in run_distributed(_refusals, 2):
+        for message, layer in ((built, 1), (batch, 2)):
+            assert message is not None, "no error"
+            assert f"Gated DeltaNet layer {layer}: CP 2" in message, message
+            assert "3 key heads and 9 value heads per TP rank" in message, message

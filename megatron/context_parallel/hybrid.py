@@ -23,7 +23,8 @@ Two things keep it from the package's GPTModel path, and this module supplies bo
   unchanged.
 
 Layers that cannot run a plan raise ``ValueError`` naming the plan and the layer before the
-model runs (``check_layers``): megatron-core's own ``GatedDeltaNet`` and Mamba mixer undo
+model runs (``check_layers``): the package's Gated DeltaNet runs any plan whose CP size divides
+its heads; megatron-core's own ``GatedDeltaNet`` and Mamba mixer undo
 Megatron's zigzag layout before their recurrence, so under CP they accept only
 ``ContextParallelPlan.zigzag`` of one sequence, and at any CP size they treat the batch as one
 sequence (the package's params carry the packing in the plan).
@@ -48,6 +49,10 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron.context_parallel.attention import get_gpt_layer_with_context_parallel_spec
+from megatron.context_parallel.gdn import (
+    ContextParallelGatedDeltaNet,
+    get_gated_delta_net_with_context_parallel_spec,
+)
 from megatron.context_parallel.plan import ContextParallelPlan
 
 __all__ = [
@@ -118,10 +123,6 @@ class _PendingLayer(torch.nn.Module):
         )
 
 
-class _PendingGatedDeltaNet(_PendingLayer):
-    symbol, kind = Symbols.GDN, "Gated DeltaNet"
-
-
 class _PendingMamba(_PendingLayer):
     symbol, kind = Symbols.MAMBA, "Mamba"
 
@@ -141,7 +142,11 @@ def get_hybrid_stack_with_context_parallel_spec(
       routing is per token, so with dropless routing (no ``moe_expert_capacity_factor``) any
       plan is right; a capacity factor under CP raises (``check_layers``). Auxiliary
       load-balancing losses are megatron's own (each rank's tokens, global counts);
-    * ``G``, ``M``: not yet; building a model whose pattern has them raises ``ValueError``.
+    * ``G``: ``TransformerLayer`` with a norm and ``ContextParallelGatedDeltaNet`` (megatron's
+      GDN with its exchange replaced: rows to head shards in source order, convolution and
+      gated delta rule per packed sequence, any plan; key and value heads per TP rank must
+      divide by CP). megatron's TE spec fuses that norm into ``in_proj``;
+    * ``M``: not yet; building a model whose pattern has it raises ``ValueError``.
 
     Args:
         normalization: ``"RMSNorm"`` or None / ``"LayerNorm"``, as for megatron's local GPT
@@ -179,11 +184,19 @@ def get_hybrid_stack_with_context_parallel_spec(
             pre_mlp_layernorm=experts.pre_mlp_layernorm, mlp=experts.mlp, mlp_bda=experts.mlp_bda
         ),
     )
+    gdn_layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=get_gated_delta_net_with_context_parallel_spec(),
+            self_attn_bda=dense.self_attn_bda,
+        ),
+    )
     return ModuleSpec(
         module=ContextParallelHybridStack,
         submodules=ContextParallelHybridStackSubmodules(
             mamba_layer=_PendingMamba,
-            gdn_layer=_PendingGatedDeltaNet,
+            gdn_layer=gdn_layer,
             attention_layer=attention_layer,
             mlp_layer=mlp_layer,
             moe_layer=moe_layer,
@@ -249,6 +262,11 @@ def check_layers(hybrid, plan: ContextParallelPlan, cu_seqlens) -> None:
                 f"{capacity} per CP rank, so which tokens survive depends on the plan; got "
                 f"{plan}. Run CP with dropless routing (moe_expert_capacity_factor=None)"
             )
+        mixer = getattr(layer, "self_attention", None)
+        if isinstance(mixer, ContextParallelGatedDeltaNet):
+            # Any plan; its heads must split over this CP size (same config on every rank).
+            mixer.check_heads(plan.cp_size)
+            continue
         name = _megatron_mixer(layer)
         if name is None:
             continue

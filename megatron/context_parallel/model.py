@@ -537,7 +537,10 @@ def _prepare_batch(
         local_ids = None if local_ids is None else local_ids.new_zeros(1)
 
     attention_mask, packed = None, None
-    if backend in (_SOURCE, _MEGATRON_ROTARY):
+    # A hybrid's Gated DeltaNet layers take their rows from the params too, also on a pipeline
+    # stage without attention layers.
+    with_params = backend == _NO_LAYERS and hybrid.is_hybrid_model(gpt)
+    if backend in (_SOURCE, _MEGATRON_ROTARY) or with_params:
         packed = ContextParallelParams.for_plan(
             plan,
             cp_group if cp_size > 1 else None,
