@@ -2,8 +2,8 @@
 
 ``ContextParallelGatedDeltaNet`` wraps the layer's sequence mixing in an exchange: on the way in,
 this rank's projected rows are cut into per-rank head blocks (one copy), and the rows received
-by the all-to-all are put in source order (``ops.gather_rows``); on the way out the mixed rows
-go back to receive order (``gather_rows``) and the received head blocks are put side by side
+by the all-to-all are put in source order (``ops.permute_rows``); on the way out the mixed rows
+go back to receive order (``permute_rows``) and the received head blocks are put side by side
 (one copy). Once per batch the index tables (``HeadShardRows.build``) are built on the host.
 This script times those on one rank, forward + backward, against the same rank's layer: the
 projections on its rows and the convolution + gated delta rule (+ gates and norm) on its head
@@ -45,7 +45,7 @@ from megatron.context_parallel.gdn import (  # noqa: E402
     HeadShardRows,
     get_gated_delta_net_with_context_parallel_spec,
 )
-from megatron.context_parallel.ops import gather_rows  # noqa: E402
+from megatron.context_parallel.ops import permute_rows  # noqa: E402
 from megatron.context_parallel.plan import ContextParallelPlan  # noqa: E402
 
 DOCUMENTS = (5000, 7000, 3436, 5000)  # 20,436 rows
@@ -154,8 +154,8 @@ def measure(args) -> Dict[str, float]:
     def reorders():
         # The package's own steps around the two all-to-alls (gdn.py), nothing else.
         send = layer._head_blocks(local, cp)
-        mine = gather_rows(received, tables.to_source)
-        back = gather_rows(mixed, tables.from_source)
+        mine = permute_rows(received, tables.to_source, tables.from_source)
+        back = permute_rows(mixed, tables.from_source, tables.to_source)
         return send, mine, back, layer._side_by_side(returned, n, cp)
 
     def mixing():

@@ -238,3 +238,22 @@ def test_heads_not_dividing_cp_raise_on_every_rank_at_build_and_at_the_batch():
             assert message is not None, "no error"
             assert f"Gated DeltaNet layer {layer}: CP 2" in message, message
             assert "3 key heads and 9 value heads per TP rank" in message, message
+
+
+def test_permute_rows_moves_rows_and_gradients_exactly():
+    from megatron.context_parallel.ops import permute_rows
+
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(11, 3, 2, generator=g, dtype=torch.float64).requires_grad_()
+    index = torch.randperm(11, generator=g)
+    inverse = torch.argsort(index)
+    out = permute_rows(src, index, inverse)
+    assert torch.equal(out, src.detach()[index])
+    grad = torch.randn(11, 3, 2, generator=g, dtype=torch.float64)
+    out.backward(grad)
+    expected = torch.zeros_like(grad)
+    for i, j in enumerate(index.tolist()):
+        expected[j] = grad[i]
+    assert torch.equal(src.grad, expected)
+    with pytest.raises(ValueError, match="a permutation of 11 rows"):
+        permute_rows(src, index[:5], inverse)

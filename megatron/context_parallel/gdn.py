@@ -10,7 +10,7 @@ megatron's parameters, projections and checkpoint layout and replaces that excha
 1. the input projection runs on this rank's rows (plan order);
 2. ONE all-to-all over the CP group sends every rank the columns of its heads (rank ``c`` gets
    the ``c``-th ``1/cp`` of the key, value and gate heads of this TP rank) of every owned row;
-3. the package's row kernel (``ops.gather_rows``) puts the received rows in SOURCE order;
+3. the package's row kernel (``ops.permute_rows``) puts the received rows in SOURCE order;
 4. the convolution and the gated delta rule run per packed sequence over whole sequences
    (``cu_seqlens`` of the owned rows): fla's kernels on CUDA, plain torch elsewhere;
 5. the gated output norm, then the inverse reorder and ONE all-to-all back to row shards; the
@@ -46,7 +46,7 @@ from torch import Tensor
 
 from megatron.context_parallel.attention import ContextParallelParams
 from megatron.context_parallel.mappings import all_to_all_over_context_parallel_region
-from megatron.context_parallel.ops import gather_rows
+from megatron.context_parallel.ops import permute_rows
 from megatron.context_parallel.plan import ContextParallelPlan
 
 __all__ = [
@@ -256,12 +256,12 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
     def _to_head_shard(self, local: Tensor, cp: int, group, tables: HeadShardRows) -> Tensor:
         """``[n, D]`` local rows -> ``[owned, D / cp]`` this rank's heads, source order."""
         if cp == 1:
-            return gather_rows(local, tables.to_source)
+            return permute_rows(local, tables.to_source, tables.from_source)
         n = local.shape[0]
         received = all_to_all_over_context_parallel_region(
             self._head_blocks(local, cp), [n] * cp, tables.counts, group
         )
-        return gather_rows(received, tables.to_source)
+        return permute_rows(received, tables.to_source, tables.from_source)
 
     def _head_blocks(self, local: Tensor, cp: int) -> Tensor:
         """``[n, D]`` -> ``[cp * n, D / cp]``: block ``c`` holds the ``c``-th ``1/cp`` of every
@@ -283,7 +283,7 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         self, mixed: Tensor, rows: int, cp: int, group, tables: HeadShardRows
     ) -> Tensor:
         """``[owned, V / cp]`` this rank's heads, source order -> ``[rows, V]`` local rows."""
-        back = gather_rows(mixed, tables.from_source)
+        back = permute_rows(mixed, tables.from_source, tables.to_source)
         if cp == 1:
             return back
         received = all_to_all_over_context_parallel_region(back, tables.counts, [rows] * cp, group)
