@@ -3,7 +3,7 @@
 #
 # Usage (repo root):
 #   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|probe|
-#                             head|probe-head|gluon-topk]
+#                             head|probe-head|gluon-topk|gdn]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head | probe-head | gluon-topk) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head | probe-head | gluon-topk | gdn) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -118,6 +118,21 @@ if [[ "$mode" == gluon-topk ]]; then
   timeout "${BENCH_TIMEOUT:-260}" "$py" benchmarks/bench_head.py --reps "${BENCH_REPS:-9}" \
     --warmup 1 --methods "${BENCH_METHODS:-$methods}" --out "$out" 2>&1 \
     | tee "$out/head_bench.log" | tail -n 45
+  exit 0
+fi
+
+if [[ "$mode" == gdn ]]; then
+  # Gated DeltaNet on fla's kernels (issue 28): the GPU test (the layer at CP 1 and CP 2 over
+  # gloo on one GPU, bf16, against the plain-torch reference), then bench_gdn.py (S = 20,436,
+  # Qwen3.5-27B's GDN shape, one rank). Needs fla-core 0.6.0 and einops (pure-Python wheels)
+  # beside megatron-core: carry them in .whl. Logs: gdn_tests.log, gdn_bench.log.
+  carry_wheels
+  echo "== GDN GPU tests"
+  timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest tests/test_gdn_cuda.py -q -rs \
+    -p no:cacheprovider 2>&1 | tee "$out/gdn_tests.log" | tail -n 15
+  echo "== GDN benchmark"
+  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench_gdn.py 2>&1 \
+    | tee "$out/gdn_bench.log" | tail -n 16
   exit 0
 fi
 

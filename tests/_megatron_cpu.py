@@ -1,4 +1,4 @@
-"""Run megatron-core's GPTModel on CPU in the gloo test workers, and build a tiny one.
+"""Run megatron-core's GPTModel / HybridModel on CPU in the gloo test workers; build tiny ones.
 
 The package needs none of this: ``context_parallel_batch`` / ``context_parallel_forward`` and a
 GPTModel's forward and backward under the package's layer spec run on CPU-only torch as they are
@@ -28,6 +28,15 @@ __all__ = [
 
 # The tiny model of the end-to-end tests.
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, max_seq_len=128)
+# The Gated DeltaNet layers ('G') of tiny hybrids: heads divide by CP 2, 3 and 4, two value heads
+# per key head; SiLU as Qwen3.5 (and megatron's fla path) use.
+TINY_GDN = dict(
+    linear_num_key_heads=12,
+    linear_num_value_heads=24,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
 
 
 class _NoStream:
@@ -140,8 +149,11 @@ def build_tiny_gpt(
     num_layers: int = TINY["num_layers"],
     tied: bool = False,
     vp_stage: Optional[int] = None,
+    pattern: Optional[str] = None,
+    attention_output_gate: bool = False,
+    num_experts: Optional[int] = None,
 ):
-    """The tiny fp32 GPTModel (or this rank's pipeline stage of it).
+    """The tiny fp32 GPTModel or HybridModel (or this rank's pipeline stage of it).
 
     ``use_cpu_initialization`` builds each full weight from the CPU RNG and then keeps this TP
     rank's slice, so the same ``seed`` gives the same model for every TP / CP size. Pipeline
@@ -157,6 +169,16 @@ def build_tiny_gpt(
         num_layers: transformer layers of the whole model.
         tied: share the input embedding and the output layer's weight.
         vp_stage: the virtual pipeline stage to build (interleaved schedule), or None.
+        pattern: build megatron-core's ``HybridModel`` with this ``hybrid_layer_pattern``
+            instead (``num_layers`` is ignored; ``|`` marks pipeline stages and is dropped on
+            one stage). Its stack is ``get_hybrid_stack_with_context_parallel_spec()``; with
+            ``reference`` its attention layers are megatron-core's ``SelfAttention`` and
+            ``DotProductAttention`` instead of the package's.
+        attention_output_gate: megatron's gated attention output (``config``).
+        num_experts: experts of the MoE layers (``E`` in ``pattern``): top-2 routing without
+            token dropping or auxiliary loss, megatron's ``allgather`` dispatcher (its
+            ``alltoall`` one makes a CUDA stream), no linear biases (megatron's local experts
+            add theirs in place on a view, which autograd refuses).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -166,6 +188,10 @@ def build_tiny_gpt(
     from megatron.context_parallel.attention import get_gpt_layer_with_context_parallel_spec
 
     pp = ps.get_pipeline_model_parallel_world_size()
+    if pattern is not None:
+        if pp == 1:
+            pattern = pattern.replace("|", "")
+        num_layers = len(pattern.replace("|", ""))
     config = TransformerConfig(
         num_layers=num_layers,
         hidden_size=TINY["hidden_size"],
@@ -184,12 +210,21 @@ def build_tiny_gpt(
         apply_rope_fusion=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        attention_output_gate=attention_output_gate,
     )
-    spec = get_gpt_layer_local_spec() if reference else get_gpt_layer_with_context_parallel_spec()
-    torch.manual_seed(seed)
-    return GPTModel(
-        config,
-        spec,
+    if pattern is not None and "G" in pattern:
+        for name, value in TINY_GDN.items():
+            setattr(config, name, value)
+        config.activation_func = torch.nn.functional.silu
+    if num_experts is not None:
+        config.num_moe_experts = num_experts
+        config.moe_router_topk = 2
+        config.moe_ffn_hidden_size = 32
+        config.moe_token_dispatcher_type = "allgather"
+        config.moe_router_load_balancing_type = "none"
+        config.moe_aux_loss_coeff = 0.0
+        config.add_bias_linear = False
+    kwargs = dict(
         vocab_size=TINY["vocab_size"],
         max_sequence_length=TINY["max_seq_len"],
         position_embedding_type=position_embedding_type,
@@ -197,6 +232,56 @@ def build_tiny_gpt(
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage,
+    )
+    if pattern is not None:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        config.is_hybrid_model = True
+        model_class, spec = HybridModel, _hybrid_spec(reference)
+        kwargs["hybrid_layer_pattern"] = pattern
+    else:
+        model_class = GPTModel
+        spec = (
+            get_gpt_layer_local_spec() if reference else get_gpt_layer_with_context_parallel_spec()
+        )
+    torch.manual_seed(seed)
+    return model_class(config, spec, **kwargs)
+
+
+def _hybrid_spec(reference: bool):
+    """The package's hybrid stack spec; with ``reference``, megatron-core's own attention in
+    its attention layers (``SelfAttention`` + ``DotProductAttention``, CP 1 only) and the tests'
+    plain-torch Gated DeltaNet (``_gdn_ref``) in its GDN layers."""
+    import dataclasses
+
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron.context_parallel.hybrid import get_hybrid_stack_with_context_parallel_spec
+
+    spec = get_hybrid_stack_with_context_parallel_spec()
+    if not reference:
+        return spec
+    from _gdn_ref import PlainGatedDeltaNet
+
+    gdn = spec.submodules.gdn_layer
+    mixer = dataclasses.replace(gdn.submodules.self_attention, module=PlainGatedDeltaNet)
+    gdn = dataclasses.replace(
+        gdn, submodules=dataclasses.replace(gdn.submodules, self_attention=mixer)
+    )
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, gdn_layer=gdn))
+    layer = spec.submodules.attention_layer
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(
+        attention,
+        module=SelfAttention,
+        submodules=dataclasses.replace(attention.submodules, core_attention=DotProductAttention),
+    )
+    layer = dataclasses.replace(
+        layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention)
+    )
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, attention_layer=layer)
     )
 
 

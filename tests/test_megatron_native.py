@@ -65,6 +65,7 @@ class Case:
     tied: bool = False
     layers: int = 2
     micro_batches: int = 3
+    pattern: Optional[str] = None  # a HybridModel's layer pattern instead of a GPTModel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +137,9 @@ def _nll(model, ids, labels, cu):
 def _reference(case: Case, dp: int):
     """Initial weights, reported losses per (replica, micro-batch), expected gradients and,
     with an optimizer, the expected weights after one step (all by global parameter name)."""
-    model = mc.build_tiny_gpt(reference=True, num_layers=case.layers, tied=case.tied)
+    model = mc.build_tiny_gpt(
+        reference=True, num_layers=case.layers, tied=case.tied, pattern=case.pattern
+    )
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     reported, objective, tokens = {}, 0.0, 0
     for d in range(dp):
@@ -224,7 +227,9 @@ def _run_case(case: Case, reference) -> dict:
 
     chunks = []
     for vp_stage in range(case.vpp) if case.vpp else [None]:
-        stage = mc.build_tiny_gpt(num_layers=case.layers, tied=case.tied, vp_stage=vp_stage)
+        stage = mc.build_tiny_gpt(
+            num_layers=case.layers, tied=case.tied, vp_stage=vp_stage, pattern=case.pattern
+        )
         mc.load_stage(stage, initial)
         chunks.append(stage)
     config = chunks[0].config

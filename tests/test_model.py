@@ -61,6 +61,13 @@ def _case(kind: str, cp: int, seed: int):
         shards.insert(empty, order[:0])
         plan = ContextParallelPlan.from_rank_positions(shards, seq_len)
         assert plan.counts[empty] == 0
+    elif kind == "permuted":
+        # Equal shards of a random permutation of packed sequences: every rank's rows out of
+        # source order and from every sequence.
+        cu = (0, 5 * cp, 8 * cp, 12 * cp)
+        seq_len = cu[-1]
+        order = torch.randperm(seq_len, generator=g)
+        plan = ContextParallelPlan.from_rank_positions(list(order.chunk(cp)), seq_len)
     else:
         raise AssertionError(kind)
     ids = torch.randint(0, mc.TINY["vocab_size"], (seq_len,), generator=g)
@@ -88,22 +95,18 @@ def _loss(fields: dict, weights: dict) -> torch.Tensor:
 # The reference: megatron-core's own model at TP 1 / CP 1, one sequence at a time.
 
 
-def _capture(*, hidden_states, output_layer, output_weight, **_):
-    logits, _ = output_layer(hidden_states, weight=output_weight)
-    return hidden_states[:, 0], logits[:, 0]
-
-
 def _reference(ids, labels, cu, seed, model_kw):
     """Reference fields, loss and parameter gradients (by name), computed on this rank alone."""
     model = mc.build_tiny_gpt(reference=True, **model_kw)
     cuts = cu if cu is not None else (0, ids.numel())
     hidden, logits = [], []
+    # The model's own forward (GPTModel or HybridModel: logits [1, n, V]); the final hidden
+    # states are the decoder's output.
+    model.decoder.register_forward_hook(lambda module, args, out: hidden.append(out[:, 0]))
     for a, b in zip(cuts[:-1], cuts[1:]):
         n = b - a
         causal = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
-        h, lg = model(ids[None, a:b], torch.arange(n)[None], causal, output_processor=_capture)
-        hidden.append(h)
-        logits.append(lg)
+        logits.append(model(ids[None, a:b], torch.arange(n)[None], causal)[0])
     hidden, logits = torch.cat(hidden), torch.cat(logits)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target = logprobs.gather(1, labels.clamp(min=0)[:, None])[:, 0]

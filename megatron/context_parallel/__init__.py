@@ -8,12 +8,18 @@ Public API:
     ForwardOutput, TopK, OutputOptions, compute_forward_output, make_output_processor: the
         output head (OutputOptions: the output options every entry point shares).
     InputError: the ValueError every rank of a call raises alike for any rank's bad input.
-    context_parallel_batch, ContextParallelBatch: everything GPTModel.forward needs on this
+    context_parallel_batch, ContextParallelBatch: everything the model's forward needs on this
         rank for a plan (local ids and positions, packed_seq_params, output_processor).
-    context_parallel_forward, default_plan: a megatron-core GPTModel forward under CP.
+    context_parallel_forward, default_plan: a megatron-core GPTModel or HybridModel forward
+        under CP.
     ContextParallelSelfAttention, ContextParallelAttention, ContextParallelParams,
     get_gpt_layer_with_context_parallel_spec: megatron-core's local layer spec with rotary at
         source positions and a reference CP core attention, for any plan.
+    get_hybrid_stack_with_context_parallel_spec, ContextParallelHybridStack: the counterpart
+        of megatron-core's hybrid_stack_spec for HybridModel under any plan (local modules).
+    ContextParallelGatedDeltaNet, HeadShardRows, get_gated_delta_net_with_context_parallel_spec:
+        megatron-core's Gated DeltaNet for any plan (rows to head shards in source order and
+        back), its per-batch index tables, and its mixer spec from local modules.
 
 The model-level names import megatron-core's transformer stack, so they load on first use;
 ``import megatron.context_parallel`` itself stays light.
@@ -49,6 +55,11 @@ _LAZY = {
     "ContextParallelAttention": "megatron.context_parallel.attention",
     "ContextParallelParams": "megatron.context_parallel.attention",
     "get_gpt_layer_with_context_parallel_spec": "megatron.context_parallel.attention",
+    "get_hybrid_stack_with_context_parallel_spec": "megatron.context_parallel.hybrid",
+    "ContextParallelHybridStack": "megatron.context_parallel.hybrid",
+    "ContextParallelGatedDeltaNet": "megatron.context_parallel.gdn",
+    "HeadShardRows": "megatron.context_parallel.gdn",
+    "get_gated_delta_net_with_context_parallel_spec": "megatron.context_parallel.gdn",
 }
 
 __all__ = [

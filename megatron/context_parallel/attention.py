@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -133,6 +133,8 @@ class ContextParallelParams(PackedSeqParams):
         source_position_ids: int ``[seq_len]``, the position ids of the whole batch in source
             order, as given (read on the host only to tell whether megatron-core's own rotary
             table is exact, ``megatron_rotary_exact``).
+        source_cu_seqlens: the batch's cumulative sequence lengths (the plan's or the given
+            ones) on the host, or None for one sequence.
         padding_rows: 1 when this rank owns no position, else 0. megatron-core's layers cannot
             run zero rows, so an empty rank runs one padding row that attends to nothing and
             that no query sees (its slot is padding); the batch adds it to the input and the
@@ -151,9 +153,10 @@ class ContextParallelParams(PackedSeqParams):
     source_position_ids: Optional[Tensor] = None
     source_sequence: Optional[Tensor] = None
     padding_rows: int = 0
-    _runs: Optional[AttentionRuns] = field(default=None, repr=False, compare=False)
+    source_cu_seqlens: Optional[Tuple[int, ...]] = None
     _masks: Dict[bool, Tensor] = field(default_factory=dict, repr=False, compare=False)
     _exact: Optional[bool] = field(default=None, repr=False, compare=False)
+    _per_batch: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def for_plan(
@@ -246,6 +249,7 @@ class ContextParallelParams(PackedSeqParams):
             source_position_ids=position_ids,
             source_sequence=sequence,
             padding_rows=1 if plan.counts[rank] == 0 else 0,
+            source_cu_seqlens=cu,
         )
 
     @property
@@ -263,15 +267,28 @@ class ContextParallelParams(PackedSeqParams):
             )
         return self._exact
 
+    def per_batch(self, key: str, build: Callable[[], Any]) -> Any:
+        """``build()`` on the first call for ``key``, the same object on every later one.
+
+        For index tables that every layer of one kind needs for this batch (the sequence
+        mixers' row orders): built once per batch, shared by the layers.
+        """
+        value = self._per_batch.get(key)
+        if value is None:
+            value = build()
+            self._per_batch[key] = value
+        return value
+
     @property
     def runs(self) -> AttentionRuns:
         """This rank's run tables for the fused attention (built on first use per batch, on the
         host, and shared by every layer; see ``attention_runs``)."""
-        if self._runs is None:
-            self._runs = AttentionRuns.build(
+        return self.per_batch(
+            "attention_runs",
+            lambda: AttentionRuns.build(
                 self.plan, self.rank, self.source_sequence, padding_rows=self.padding_rows
-            )
-        return self._runs
+            ),
+        )
 
     def allowed(self, causal: bool) -> Tensor:
         """bool ``[rows, cp_size * max_count]``: which slots each local query row may see.

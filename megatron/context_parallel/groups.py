@@ -35,6 +35,7 @@ __all__ = [
     "all_gather_into",
     "reduce_scatter_into",
     "all_reduce",
+    "all_to_all_into",
     "exchange",
     "find_problem",
     "agree",
@@ -148,6 +149,28 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group) -> Non
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
     """In-place all-reduce of ``tensor`` over ``group``."""
     dist.all_reduce(tensor, op=op, group=group)
+
+
+def all_to_all_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_counts: Sequence[int],
+    input_counts: Sequence[int],
+    group,
+) -> None:
+    """Rows ``input_counts[r]`` of ``input`` (dim 0, in rank order) go to rank r; ``output``
+    receives ``output_counts[r]`` rows from rank r, in rank order.
+
+    Every rank's ``input_counts[r]`` must equal rank r's ``output_counts`` at this rank. Runs
+    whatever the counts, zero included.
+    """
+    dist.all_to_all_single(
+        output,
+        input,
+        output_split_sizes=list(output_counts),
+        input_split_sizes=list(input_counts),
+        group=group,
+    )
 
 
 def _capturing(device: torch.device) -> bool:

@@ -8,6 +8,8 @@ Context-parallel (CP) region:
 * ``scatter_to_context_parallel_region``: its inverse (no communication forward).
 * ``gather_padded_from_context_parallel_region``: the attention's K/V exchange, rows padded to
   the plan's largest shard and left in slot order. Backward: reduce-scatter.
+* ``all_to_all_over_context_parallel_region``: the sequence mixers' exchange between row shards
+  and head shards, uneven row counts per rank. Backward: the same all-to-all, counts swapped.
 
 Tensor-parallel (TP) region, for the vocab-parallel head:
 
@@ -45,6 +47,7 @@ __all__ = [
     "scatter_to_context_parallel_region",
     "scatter_or_raise",
     "gather_padded_from_context_parallel_region",
+    "all_to_all_over_context_parallel_region",
     "copy_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region",
     "reduce_over_data_parallel",
@@ -430,6 +433,24 @@ class _GatherPaddedFromContextParallelRegion(torch.autograd.Function):
         return mine[: ctx.rows], None, None, None
 
 
+class _AllToAllOverContextParallelRegion(torch.autograd.Function):
+    """Forward: rows to ranks by ``send_counts``, rows from ranks by ``recv_counts``. Backward:
+    the transpose, the same all-to-all with the counts swapped."""
+
+    @staticmethod
+    def forward(ctx, rows, group, send_counts, recv_counts):
+        ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
+        out = rows.new_empty((sum(recv_counts),) + tuple(rows.shape[1:]))
+        groups.all_to_all_into(out, rows.contiguous(), recv_counts, send_counts, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.send_counts),) + tuple(grad.shape[1:]))
+        groups.all_to_all_into(back, grad.contiguous(), ctx.send_counts, ctx.recv_counts, ctx.group)
+        return back, None, None, None
+
+
 # ---------------------------------------------------------------------------------------------
 # Autograd Functions: TP region.
 
@@ -641,6 +662,33 @@ def gather_padded_from_context_parallel_region(
     """
     _, size = groups.group_rank_and_size(group)
     return _GatherPaddedFromContextParallelRegion.apply(local, group, size, max_count)
+
+
+def all_to_all_over_context_parallel_region(
+    rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group
+) -> torch.Tensor:
+    """Forward: all-to-all of rows over CP (uneven counts); backward: all-to-all back.
+
+    Args:
+        rows: ``[sum(send_counts), ...]``: the rows for rank 0, then those for rank 1, ...
+        send_counts: rows this rank sends to each rank of ``group``.
+        recv_counts: rows this rank receives from each rank; rank r's ``send_counts`` at this
+            rank's index must equal this rank's ``recv_counts[r]``.
+        group: the CP group; every rank must call with agreeing counts.
+
+    Returns:
+        ``[sum(recv_counts), ...]``: rank 0's rows for this rank, then rank 1's, ... of
+        ``rows``' dtype. Gradient: each received row's gradient is sent back to the row it came
+        from (the transpose of the forward).
+
+    No exchange: the callers (sequence mixers inside a model) take counts from an agreed plan.
+    With one rank it returns ``rows`` itself.
+    """
+    if groups.group_rank_and_size(group)[1] == 1:
+        return rows
+    return _AllToAllOverContextParallelRegion.apply(
+        rows, group, tuple(int(c) for c in send_counts), tuple(int(c) for c in recv_counts)
+    )
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -11,7 +11,10 @@ order on every CP rank. A megatron ``forward_step_func`` calls it and then the m
     output = model(**batch.forward_kwargs())   # ForwardOutput on the last pipeline stage
 
 so megatron-core's schedules, ``DistributedDataParallel``, ``finalize_model_grads`` and pipeline
-stages run unchanged. ``context_parallel_forward`` is exactly those two lines.
+stages run unchanged. ``context_parallel_forward`` is exactly those two lines. A megatron-core
+``HybridModel`` goes through the same two lines: its forward has no ``output_processor``, so the
+batch attaches hooks that add one (``megatron.context_parallel.hybrid``), and its attention
+layers follow the rules below while its other layers are checked there.
 
 Positions: every local row keeps its *source* position. Learned absolute embeddings get the
 caller's ``position_ids`` of those rows; rotary embeddings are evaluated at them by
@@ -44,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron.context_parallel import groups
+from megatron.context_parallel import groups, hybrid
 from megatron.context_parallel.attention import (
     ContextParallelAttention,
     ContextParallelParams,
@@ -160,15 +163,16 @@ def _as_sequence(t: Tensor, what: str, seq_len: Optional[int] = None) -> Tensor:
 
 
 def _unwrap(model):
-    """The GPTModel (or pipeline stage of one) inside DDP / Float16Module style wrappers."""
+    """The GPTModel or HybridModel (or pipeline stage of one) inside DDP / Float16Module style
+    wrappers."""
     inner = model
     while not hasattr(inner, "decoder") and hasattr(inner, "module"):
         inner = inner.module
     for name in ("decoder", "config", "position_embedding_type"):
         if not hasattr(inner, name):
             raise TypeError(
-                f"context_parallel_batch needs a megatron-core GPTModel (or a pipeline stage of "
-                f"one); {type(model).__name__} has no {name!r}"
+                f"context_parallel_batch needs a megatron-core GPTModel or HybridModel (or a "
+                f"pipeline stage of one); {type(model).__name__} has no {name!r}"
             )
     return inner
 
@@ -188,7 +192,8 @@ def _check_model(gpt) -> None:
 def _attention_backend(gpt) -> Tuple[str, str]:
     """(backend, the layers' attention modules in words, for messages)."""
     kinds, names = set(), set()
-    for layer in gpt.decoder.layers:
+    is_hybrid = hybrid.is_hybrid_model(gpt)
+    for layer in hybrid.attention_layers(gpt) if is_hybrid else gpt.decoder.layers:
         attention = getattr(layer, "self_attention", None)
         core = getattr(attention, "core_attention", None)
         names.add(f"{type(attention).__name__} with {type(core).__name__}")
@@ -200,9 +205,14 @@ def _attention_backend(gpt) -> Tuple[str, str]:
         elif type(core).__name__ == "DotProductAttention":
             kinds.add(_LOCAL)
         else:
+            spec = (
+                "get_hybrid_stack_with_context_parallel_spec()"
+                if is_hybrid
+                else "get_gpt_layer_with_context_parallel_spec()"
+            )
             raise TypeError(
                 f"unsupported core attention {type(core).__name__}; build the model with "
-                "get_gpt_layer_with_context_parallel_spec() (or TE's spec for zigzag / THD plans)"
+                f"{spec} (or TE's spec for zigzag / THD plans)"
             )
     if not kinds:
         return _NO_LAYERS, "no layers"
@@ -588,6 +598,10 @@ def _prepare_batch(
     rotary = gpt.position_embedding_type == "rope"
     backend, module = _attention_backend(gpt)
     _check_plan_for_backend(backend, module, plan, cu, host_positions, rotary)
+    if hybrid.is_hybrid_model(gpt):
+        # HybridModel.forward takes no output_processor: hooks on the model add it.
+        hybrid.check_layers(gpt, plan, cu)
+        hybrid.attach_head(gpt)
 
     # This rank's rows (an index, no communication: ids carry no gradient), plus one padding row
     # on an empty rank: megatron-core's layers cannot run zero rows.
@@ -600,7 +614,10 @@ def _prepare_batch(
         local_ids = None if local_ids is None else local_ids.new_zeros(1)
 
     attention_mask, packed = None, None
-    if backend in (_SOURCE, _MEGATRON_ROTARY):
+    # A hybrid's Gated DeltaNet layers take their rows from the params too, also on a pipeline
+    # stage without attention layers.
+    with_params = backend == _NO_LAYERS and hybrid.is_hybrid_model(gpt)
+    if backend in (_SOURCE, _MEGATRON_ROTARY) or with_params:
         packed = ContextParallelParams.for_plan(
             plan,
             cp_group if cp_size > 1 else None,

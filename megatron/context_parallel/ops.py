@@ -10,6 +10,9 @@ Two ops, both functional (they allocate their outputs and never alias their inpu
 * ``gather_rows(src, index) -> Tensor``: ``src`` ``[N, ...]`` of any dtype; returns
   ``[len(index), ...]`` whose row ``i`` is ``src[index[i]]``, or zeros where ``index[i] < 0``.
 
+``permute_rows(src, index, inverse)`` is ``gather_rows`` by a permutation whose gradient is
+``gather_rows`` by the inverse permutation: a second gather rather than a scatter-add.
+
 Both are torch custom ops in the ``megatron_cp`` namespace (``torch.ops.megatron_cp.*``), so
 they trace under ``torch.compile`` through their fake implementations. The schemas are defined
 here, once; CPU tensors use the torch implementations below; CUDA tensors use the kernels in
@@ -28,7 +31,7 @@ import torch
 
 from megatron.context_parallel import _extension
 
-__all__ = ["scatter_rows", "gather_rows", "has_cuda_kernels", "int_view_dtype"]
+__all__ = ["scatter_rows", "gather_rows", "permute_rows", "has_cuda_kernels", "int_view_dtype"]
 
 _NAMESPACE = "megatron_cp"
 _lib = torch.library.Library(_NAMESPACE, "DEF")
@@ -247,6 +250,51 @@ def scatter_rows(
     return torch.ops.megatron_cp.scatter_rows(
         packed, row_source, offsets, widths, max_threads_per_row=max_threads_per_row
     )
+
+
+class _PermuteRows(torch.autograd.Function):
+    """Forward: rows by a permutation. Backward: the gradient's rows by its inverse."""
+
+    @staticmethod
+    def forward(ctx, src, index, inverse):
+        ctx.save_for_backward(inverse)
+        return torch.ops.megatron_cp.gather_rows(src, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return torch.ops.megatron_cp.gather_rows(grad.contiguous(), inverse), None, None
+
+
+def permute_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Rows of ``src`` in the order of a permutation; differentiable in ``src``.
+
+    Args:
+        src: ``[N, ...]`` of any dtype and device.
+        index: int64 ``[N]`` on ``src``'s device, a permutation of ``0 .. N-1``: row ``i`` of
+            the output is ``src[index[i]]``.
+        inverse: int64 ``[N]``, its inverse (``inverse[index[i]] == i``). Not verified here
+            (that would read the device): the caller builds both from one host table.
+
+    Returns:
+        New ``[N, *src.shape[1:]]`` tensor. Gradient: ``grad_src = grad_out[inverse]``, one
+        gather (a gradient through ``gather_rows`` would be a scatter-add).
+
+    Raises:
+        TypeError, ValueError: on a wrong dtype, rank, device or length, before any work.
+    """
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"src must be a tensor, got {type(src).__name__}")
+    if src.dim() < 1:
+        raise ValueError("src must have a row dimension, got a 0-d tensor")
+    _check_index(index, src, "index")
+    _check_index(inverse, src, "inverse")
+    if index.shape[0] != src.shape[0] or inverse.shape[0] != src.shape[0]:
+        raise ValueError(
+            f"a permutation of {src.shape[0]} rows needs index and inverse of that length, got "
+            f"{index.shape[0]} and {inverse.shape[0]}"
+        )
+    return _PermuteRows.apply(src, index, inverse)
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

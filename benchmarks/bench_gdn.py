@@ -1,0 +1,244 @@
+"""What the package adds to a Gated DeltaNet layer under CP, against the layer's own work.
+
+``ContextParallelGatedDeltaNet`` wraps the layer's sequence mixing in an exchange: on the way in,
+this rank's projected rows are cut into per-rank head blocks (one copy), and the rows received
+by the all-to-all are put in source order (``ops.permute_rows``); on the way out the mixed rows
+go back to receive order (``permute_rows``) and the received head blocks are put side by side
+(one copy). Once per batch the index tables (``HeadShardRows.build``) are built on the host.
+This script times those on one rank, forward + backward, against the same rank's layer: the
+projections on its rows and the convolution + gated delta rule (+ gates and norm) on its head
+shard of every owned row. The all-to-all itself is not timed (it needs several GPUs).
+
+Shape (Qwen3.5-27B's Gated DeltaNet: ``Qwen3_5Config`` defaults): hidden 5,120, 16 key heads x
+128, 48 value heads x 128, convolution kernel 4; bf16; S = 20,436 rows in 4 packed sequences
+(5,000 + 7,000 + 3,436 + 5,000), CP 2, an uneven plan (rank 0 owns a random 55% of the
+positions in random order), rank 0 timed: 11,240 local rows, 20,436 rows x 8 key / 24 value
+heads after the exchange.
+
+Timing: ``--warmup`` untimed calls (fla compiles and autotunes its Triton kernels on the
+first), then ``--reps`` timed ones; CUDA events on CUDA, ``perf_counter`` on CPU; the median.
+
+Run (from the repository root, one GPU, fla-core 0.6.0 and einops installed)::
+
+    python benchmarks/bench_gdn.py
+
+``--seq-len``, ``--hidden`` and the head options shrink it (the CPU smoke test does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from bench_head import time_ms  # noqa: E402
+
+from megatron.context_parallel.gdn import (  # noqa: E402
+    ContextParallelGatedDeltaNet,
+    HeadShardRows,
+    get_gated_delta_net_with_context_parallel_spec,
+)
+from megatron.context_parallel.ops import permute_rows  # noqa: E402
+from megatron.context_parallel.plan import ContextParallelPlan  # noqa: E402
+
+DOCUMENTS = (5000, 7000, 3436, 5000)  # 20,436 rows
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-len", type=int, default=sum(DOCUMENTS))
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--key-heads", type=int, default=16)
+    p.add_argument("--value-heads", type=int, default=48)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kernel", type=int, default=4)
+    p.add_argument("--share", type=float, default=0.55, help="rank 0's share of the positions")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    return p
+
+
+def uneven_plan(seq_len: int, cp: int, share: float, seed: int = 0) -> ContextParallelPlan:
+    """Packed documents (``DOCUMENTS`` scaled to ``seq_len``); rank 0 owns ``share`` of the
+    positions, the other ranks split the rest; every rank's rows in random order."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(DOCUMENTS)
+    cuts = [round(seq_len * sum(DOCUMENTS[:i]) / total) for i in range(len(DOCUMENTS) + 1)]
+    order = torch.randperm(seq_len, generator=g)
+    first = round(seq_len * share)
+    rest = torch.tensor_split(order[first:], cp - 1)
+    return ContextParallelPlan.from_rank_positions([order[:first], *rest], seq_len, cuts)
+
+
+def build_layer(args, dtype: torch.dtype) -> ContextParallelGatedDeltaNet:
+    """The layer at CP 1 (its mixing is then called for rank 0's head chunk of ``args.cp``)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=args.key_heads,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        normalization="RMSNorm",
+        activation_func=F.silu,
+        linear_conv_kernel_dim=args.kernel,
+        linear_key_head_dim=args.head_dim,
+        linear_value_head_dim=args.head_dim,
+        linear_num_key_heads=args.key_heads,
+        linear_num_value_heads=args.value_heads,
+        gradient_accumulation_fusion=False,
+    )
+    torch.manual_seed(0)
+    layer = build_module(
+        get_gated_delta_net_with_context_parallel_spec(),
+        config,
+        layer_number=1,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
+    )
+    return layer.to(args.device)
+
+
+def _fwd_bwd(forward: Callable[[], Sequence[torch.Tensor]]) -> Callable[[], None]:
+    """A call that runs ``forward`` and backpropagates ones through all its outputs."""
+
+    def call():
+        outs = forward()
+        torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
+
+    return call
+
+
+def measure(args) -> Dict[str, float]:
+    """Milliseconds per piece (median), and the overhead's shares."""
+    device, dtype = args.device, getattr(torch, args.dtype)
+    cp = args.cp
+    plan = uneven_plan(args.seq_len, cp, args.share)
+    host = time_ms(
+        lambda: HeadShardRows.build(plan, plan.cu_seqlens, torch.device(device)),
+        torch.device("cpu"),
+        args.reps,
+        1,
+    )
+    tables = HeadShardRows.build(plan, plan.cu_seqlens, torch.device(device))
+    layer = build_layer(args, dtype)
+    n, owned = plan.counts[0], int(tables.to_source.numel())
+    width_in = layer.in_proj_dim
+    width_out = layer.v_dim // cp
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_()
+
+    hidden = leaf(n, 1, args.hidden)
+    local = leaf(n, width_in)
+    received = leaf(owned, width_in // cp)
+    mixed = leaf(owned, width_out)
+    returned = leaf(cp * n, width_out)
+    normed = leaf(n, 1, layer.v_dim)
+    conv_weight = layer._heads_of(
+        layer.conv1d.weight[:, 0], [layer.qk_dim, layer.qk_dim, layer.v_dim], 0, cp
+    )
+
+    def reorders():
+        # The package's own steps around the two all-to-alls (gdn.py), nothing else.
+        send = layer._head_blocks(local, cp)
+        mine = permute_rows(received, tables.to_source, tables.from_source)
+        back = permute_rows(mixed, tables.from_source, tables.to_source)
+        return send, mine, back, layer._side_by_side(returned, n, cp)
+
+    def mixing():
+        return (layer._mix(received, tables, 0, cp),)
+
+    def rule_and_conv():
+        # The convolution and the rule alone on the same rows, the calls _mix makes.
+        qk, v = layer.qk_dim // cp, layer.v_dim // cp
+        hk, hv, d = layer.num_key_heads // cp, layer.num_value_heads // cp, args.head_dim
+        qkv = layer._convolve(received[:, : 2 * qk + v], conv_weight, None, tables)
+        q, k, val = torch.split(qkv, [qk, qk, v], dim=1)
+        decay = -F.softplus(received[:, -hv:].float())
+        beta = received[:, -2 * hv : -hv].sigmoid()
+        q, k = q.reshape(1, owned, hk, d), k.reshape(1, owned, hk, d)
+        return (layer._delta_rule(q, k, val.reshape(1, owned, hv, d), decay, beta, tables),)
+
+    def projections():
+        projected, _ = layer.in_proj(hidden)
+        out, _ = layer.out_proj(normed)
+        return projected, out
+
+    ms = {
+        name: time_ms(_fwd_bwd(fn), torch.device(device), args.reps, args.warmup)
+        for name, fn in (
+            ("reorders", reorders),
+            ("rule_and_conv", rule_and_conv),
+            ("mixing", mixing),
+            ("projections", projections),
+        )
+    }
+    ms["tables_host"] = host
+    ms["layer"] = ms["reorders"] + ms["mixing"] + ms["projections"]
+    ms["overhead_of_layer"] = ms["reorders"] / ms["layer"]
+    ms["overhead_of_rule_and_conv"] = ms["reorders"] / ms["rule_and_conv"]
+    ms.update(local_rows=n, owned_rows=owned)
+    return ms
+
+
+def table(args, ms: Dict[str, float]) -> str:
+    """A short Markdown table of one measurement."""
+    rows = [
+        ("index tables, host, once per batch", f"{ms['tables_host']:.2f} ms"),
+        ("reorders fwd+bwd (package)", f"{ms['reorders']:.3f} ms"),
+        ("conv + gated delta rule fwd+bwd", f"{ms['rule_and_conv']:.3f} ms"),
+        ("mixing fwd+bwd (conv, rule, gates, norm)", f"{ms['mixing']:.3f} ms"),
+        ("in/out projections fwd+bwd", f"{ms['projections']:.3f} ms"),
+        ("layer fwd+bwd on one rank (no all-to-all)", f"{ms['layer']:.3f} ms"),
+        ("reorders / layer", f"{100 * ms['overhead_of_layer']:.2f} %"),
+        ("reorders / conv + rule", f"{100 * ms['overhead_of_rule_and_conv']:.2f} %"),
+    ]
+    head = (
+        f"GDN S={args.seq_len} CP={args.cp} rank 0 ({ms['local_rows']} local rows, "
+        f"{ms['owned_rows']} after the exchange), hidden {args.hidden}, {args.key_heads}x"
+        f"{args.head_dim} key / {args.value_heads}x{args.head_dim} value heads, kernel "
+        f"{args.kernel}, {args.dtype} on {args.device}"
+    )
+    lines = [head, "", "| piece | time |", "|---|---|"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines)
+
+
+def _init_single_rank() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel()
+    # GatedDeltaNet initialises under the model-parallel RNG fork; a single rank needs none.
+    megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
+    args = _parser().parse_args(argv)
+    _init_single_rank()
+    ms = measure(args)
+    print(table(args, ms))
+    return ms
+
+
+if __name__ == "__main__":
+    main()

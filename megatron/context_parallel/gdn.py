@@ -1,0 +1,415 @@
+"""Gated DeltaNet under any CP plan: rows to head shards in source order, and back.
+
+A Gated DeltaNet (GDN) layer mixes the sequence with a causal depthwise convolution and a gated
+delta-rule recurrence, both of which need every row of a sequence, in order, on one device.
+megatron-core's ``GatedDeltaNet`` gets them there by an all-to-all that assumes its own
+load-balanced layout (every sequence cut into ``2 * cp`` equal chunks); for any other plan the
+recurrence would run over rows in the wrong order. ``ContextParallelGatedDeltaNet`` keeps
+megatron's parameters, projections and checkpoint layout and replaces that exchange:
+
+1. the input projection runs on this rank's rows (plan order);
+2. ONE all-to-all over the CP group sends every rank the columns of its heads (rank ``c`` gets
+   the ``c``-th ``1/cp`` of the key, value and gate heads of this TP rank) of every owned row;
+3. the package's row kernel (``ops.permute_rows``) puts the received rows in SOURCE order;
+4. the convolution and the gated delta rule run per packed sequence over whole sequences
+   (``cu_seqlens`` of the owned rows): fla's kernels on CUDA, plain torch elsewhere;
+5. the gated output norm, then the inverse reorder and ONE all-to-all back to row shards; the
+   output projection runs on this rank's rows.
+
+Backward is the transpose: the same two all-to-alls of gradients, the same index tables. The
+tables (``HeadShardRows``) are built once per batch from the plan on the host and shared by
+every GDN layer through ``ContextParallelParams.per_batch``. Positions no rank owns are not in
+the batch (as for attention): each sequence's recurrence runs over its owned positions.
+
+Parameter gradients: rank ``c`` computes the convolution, ``A_log`` and ``dt_bias`` gradients of
+its heads only, and the projections' gradients of its own rows; their sum over the CP group
+(Megatron's DDP reduces over DP x CP) is the single-device gradient.
+
+``get_gated_delta_net_with_context_parallel_spec`` is its mixer spec from local modules (the
+``G`` layer of ``hybrid.get_hybrid_stack_with_context_parallel_spec``). megatron-core's own
+``GatedDeltaNet`` and ``MambaMixer`` are refused under plans they would get wrong by
+``hybrid.check_layers``, before the model runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.ssm.gated_delta_net import common as _gdn_common
+from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import Tensor
+
+from megatron.context_parallel.attention import ContextParallelParams
+from megatron.context_parallel.mappings import all_to_all_over_context_parallel_region
+from megatron.context_parallel.ops import permute_rows
+from megatron.context_parallel.plan import ContextParallelPlan
+
+__all__ = [
+    "ContextParallelGatedDeltaNet",
+    "HeadShardRows",
+    "get_gated_delta_net_with_context_parallel_spec",
+]
+
+# fla's l2norm epsilon, which megatron's GatedDeltaNet applies to queries and keys.
+_L2NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class HeadShardRows:
+    """Index tables of one batch for the head-shard layout of the sequence mixers.
+
+    The all-to-all delivers every owned row to every rank in *receive order*: rank 0's rows
+    (its plan order), then rank 1's, ... The tables put them in source order and back.
+
+    Attributes:
+        counts: rows per rank (``plan.counts``).
+        to_source: int64 ``[owned]`` on the batch's device: for the ``i``-th owned position in
+            ascending source order, its row in receive order.
+        from_source: int64 ``[owned]``: the inverse permutation.
+        cu_seqlens: int64 ``[k + 1]`` on the device: cumulative owned rows of the ``k`` packed
+            sequences that own at least one row (empty ones are dropped).
+        cu_seqlens_cpu: the same on the host (fla's kernels read it without a device sync).
+        offsets: int64 ``[owned]`` on the device: each source-ordered row's index within its
+            sequence's owned rows (the torch convolution's causal mask).
+    """
+
+    counts: Tuple[int, ...]
+    to_source: Tensor
+    from_source: Tensor
+    cu_seqlens: Tensor
+    cu_seqlens_cpu: Tensor
+    offsets: Tensor
+
+    @classmethod
+    def build(
+        cls,
+        plan: ContextParallelPlan,
+        cu_seqlens: Optional[Sequence[int]],
+        device: torch.device,
+    ) -> "HeadShardRows":
+        """The tables for ``plan`` (host work once per batch, then one copy to ``device``).
+
+        Args:
+            plan: the batch's plan.
+            cu_seqlens: cumulative lengths of the packed sequences (None: one sequence).
+            device: where the index tensors go (the activations' device).
+        """
+        received = torch.cat([plan.local_positions(r) for r in range(plan.cp_size)])
+        to_source = torch.argsort(received)
+        from_source = torch.empty_like(to_source)
+        from_source[to_source] = torch.arange(to_source.numel(), dtype=torch.int64)
+        owned = received[to_source]
+        bounds = torch.tensor([plan.seq_len] if cu_seqlens is None else list(cu_seqlens[1:]))
+        # Sequences are contiguous ranges of positions, so the sorted owned positions come
+        # grouped by sequence.
+        sequence = torch.bucketize(owned, bounds, right=True)
+        lengths = torch.bincount(sequence, minlength=bounds.numel())
+        lengths = lengths[lengths > 0]
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+        starts = torch.repeat_interleave(cu[:-1], lengths)
+        offsets = torch.arange(owned.numel(), dtype=torch.int64) - starts
+        return cls(
+            counts=tuple(plan.counts),
+            to_source=to_source.to(device),
+            from_source=from_source.to(device),
+            cu_seqlens=cu.to(device),
+            cu_seqlens_cpu=cu,
+            offsets=offsets.to(device),
+        )
+
+    @classmethod
+    def for_params(cls, params: ContextParallelParams, device: torch.device) -> "HeadShardRows":
+        """The batch's tables, built on the first GDN layer and shared by the others."""
+        return params.per_batch(
+            "head_shard_rows", lambda: cls.build(params.plan, params.source_cu_seqlens, device)
+        )
+
+
+def _l2_normalised(x: Tensor) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, in fp32 (fla's ``l2norm``)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)).to(x.dtype)
+
+
+def _causal_depthwise_conv(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], offsets: Tensor
+) -> Tensor:
+    """Causal depthwise convolution of packed sequences, without a loop over sequences.
+
+    Args:
+        x: ``[N, C]`` rows of the packed sequences in order.
+        weight: ``[C, K]``; row ``t`` gets ``sum_s weight[:, K-1-s] * x[t-s]`` over the ``s``
+            with ``t - s`` in its own sequence.
+        bias: ``[C]`` or None.
+        offsets: int64 ``[N]``, each row's index within its sequence.
+
+    Returns:
+        ``[N, C]`` of ``x``'s dtype (before the activation). Differentiable in all inputs.
+    """
+    width = weight.shape[1]
+    out = x * weight[:, width - 1]
+    for shift in range(1, min(width, x.shape[0] + 1)):
+        earlier = F.pad(x[:-shift], (0, 0, shift, 0))
+        inside = (offsets >= shift).unsqueeze(1)
+        out = out + torch.where(inside, earlier, 0.0) * weight[:, width - 1 - shift]
+    return out if bias is None else out + bias
+
+
+class ContextParallelGatedDeltaNet(GatedDeltaNet):
+    """megatron-core's ``GatedDeltaNet`` that runs under any ``ContextParallelPlan``.
+
+    Same constructor, parameters and checkpoint layout as ``GatedDeltaNet`` (build it where a
+    layer spec names ``GatedDeltaNet``). With ``packed_seq_params`` a ``ContextParallelParams``
+    (what ``context_parallel_batch`` passes) it computes as the module docstring describes; with
+    anything else it is megatron-core's ``GatedDeltaNet``.
+
+    Inputs (params path): ``hidden_states`` ``[n, 1, H]``, this rank's ``n = plan.counts[rank]``
+    rows in plan order plus the one padding row of an empty rank (its output is zero), or ``n /
+    TP`` of them under sequence parallelism (the projections gather and scatter them). Returns
+    ``(out [n, 1, H], bias)`` like ``GatedDeltaNet``.
+
+    Raises:
+        ValueError: the key or value heads of a TP rank do not divide by the CP size (at
+            construction, and in forward for the params' group, on every rank alike: every rank
+            has the same config and plan); selective recompute of the output norm; a batch
+            dimension other than 1 or a row count the plan does not give this rank.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.recompute_norm_out:
+            raise ValueError(
+                f"ContextParallelGatedDeltaNet (layer {self.layer_number}) does not support "
+                "recompute_modules 'gdn_norm_out'"
+            )
+        self.check_heads(self.cp_size)
+
+    def check_heads(self, cp_size: int) -> None:
+        """ValueError naming the numbers unless this TP rank's key and value heads divide by
+        ``cp_size``."""
+        heads = (self.num_k_heads_local_tp, self.num_v_heads_local_tp)
+        if cp_size > 1 and any(h % cp_size for h in heads):
+            raise ValueError(
+                f"Gated DeltaNet layer {self.layer_number}: CP {cp_size} needs the key and value "
+                f"heads of each TP rank to divide by it; got {heads[0]} key heads and {heads[1]} "
+                f"value heads per TP rank ({self.num_key_heads} and {self.num_value_heads} over "
+                f"TP {self.tp_size})"
+            )
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor],
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[int] = None,
+        *,
+        inference_params=None,
+        **kwargs,
+    ):
+        """``GatedDeltaNet.forward``; under ``ContextParallelParams`` for any plan (see class)."""
+        if not isinstance(packed_seq_params, ContextParallelParams):
+            return super().forward(
+                hidden_states,
+                attention_mask,
+                inference_context=inference_context,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                inference_params=inference_params,
+                **kwargs,
+            )
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("ContextParallelGatedDeltaNet does not support inference contexts")
+        params = packed_seq_params
+        plan = params.plan
+        cp = plan.cp_size
+        group = params.cp_group if params.cp_group is not None else self.pg_collection.cp
+        if cp > 1:
+            plan.rank_in(group)
+        self.check_heads(cp)
+
+        projected, _ = self.in_proj(hidden_states)
+        rows = plan.counts[params.rank]
+        if projected.shape[1] != 1 or projected.shape[0] != rows + params.padding_rows:
+            raise ValueError(
+                f"Gated DeltaNet layer {self.layer_number} got rows {tuple(projected.shape[:2])} "
+                f"(sequence, batch) on rank {params.rank}; {plan} gives it {rows} rows "
+                f"(+{params.padding_rows} padding) of batch 1"
+            )
+        tables = HeadShardRows.for_params(params, projected.device)
+        local = projected[:rows, 0]
+
+        mine = self._to_head_shard(local, cp, group, tables)
+        mixed = self._mix(mine, tables, params.rank, cp)
+        out = self._to_row_shard(mixed, rows, cp, group, tables)
+        if params.padding_rows:
+            out = torch.cat([out, out.new_zeros(params.padding_rows, out.shape[1])])
+        return self.out_proj(out.unsqueeze(1))
+
+    # ------------------------------------------------------------------ the exchange
+
+    def _to_head_shard(self, local: Tensor, cp: int, group, tables: HeadShardRows) -> Tensor:
+        """``[n, D]`` local rows -> ``[owned, D / cp]`` this rank's heads, source order."""
+        if cp == 1:
+            return permute_rows(local, tables.to_source, tables.from_source)
+        n = local.shape[0]
+        received = all_to_all_over_context_parallel_region(
+            self._head_blocks(local, cp), [n] * cp, tables.counts, group
+        )
+        return permute_rows(received, tables.to_source, tables.from_source)
+
+    def _head_blocks(self, local: Tensor, cp: int) -> Tensor:
+        """``[n, D]`` -> ``[cp * n, D / cp]``: block ``c`` holds the ``c``-th ``1/cp`` of every
+        section (q, k, v, z, beta, alpha) of the ``n`` rows, in one copy."""
+        n = local.shape[0]
+        sections = torch.split(local, list(self.in_proj_split_sections), dim=1)
+        blocks = torch.cat(
+            [s.reshape(n, cp, s.shape[1] // cp).transpose(0, 1) for s in sections], dim=2
+        )
+        return blocks.reshape(cp * n, blocks.shape[2])
+
+    @staticmethod
+    def _side_by_side(received: Tensor, rows: int, cp: int) -> Tensor:
+        """``[cp * rows, V / cp]`` (block ``c``: head chunk ``c`` of the rows) -> ``[rows, V]``."""
+        width = received.shape[1]
+        return received.reshape(cp, rows, width).transpose(0, 1).reshape(rows, cp * width)
+
+    def _to_row_shard(
+        self, mixed: Tensor, rows: int, cp: int, group, tables: HeadShardRows
+    ) -> Tensor:
+        """``[owned, V / cp]`` this rank's heads, source order -> ``[rows, V]`` local rows."""
+        back = permute_rows(mixed, tables.from_source, tables.to_source)
+        if cp == 1:
+            return back
+        received = all_to_all_over_context_parallel_region(back, tables.counts, [rows] * cp, group)
+        return self._side_by_side(received, rows, cp)
+
+    # ------------------------------------------------------------------ the mixing
+
+    def _heads_of(self, param: Tensor, sections: Sequence[int], chunk: int, cp: int) -> Tensor:
+        """Rows of ``param`` (dim 0) for head chunk ``chunk`` of ``cp`` within each section."""
+        if cp == 1:
+            return param
+        parts = torch.split(param, list(sections), dim=0)
+        return torch.cat([p.reshape(cp, -1, *p.shape[1:])[chunk] for p in parts], dim=0)
+
+    def _mix(self, x: Tensor, tables: HeadShardRows, chunk: int, cp: int) -> Tensor:
+        """Convolution, gated delta rule and gated norm of head chunk ``chunk`` over whole
+        sequences. ``x``: ``[owned, D / cp]`` source order; returns ``[owned, V / cp]``."""
+        qk, v = self.qk_dim_local_tp // cp, self.v_dim_local_tp // cp
+        hk, hv = self.num_k_heads_local_tp // cp, self.num_v_heads_local_tp // cp
+        dk, dv = self.key_head_dim, self.value_head_dim
+        n = x.shape[0]
+        qkv, gate, beta, alpha = torch.split(x, [2 * qk + v, v, hv, hv], dim=1)
+
+        conv_sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
+        weight = self._heads_of(self.conv1d.weight[:, 0], conv_sections, chunk, cp)
+        bias = self.conv1d.bias
+        if bias is not None:
+            bias = self._heads_of(bias, conv_sections, chunk, cp)
+        a_log = self._heads_of(self.A_log, [self.num_v_heads_local_tp], chunk, cp)
+        dt_bias = self._heads_of(self.dt_bias, [self.num_v_heads_local_tp], chunk, cp)
+        decay = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
+        beta = beta.sigmoid()
+
+        qkv = self._convolve(qkv, weight, bias, tables)
+        query, key, value = torch.split(qkv, [qk, qk, v], dim=1)
+        query, key = query.reshape(1, n, hk, dk), key.reshape(1, n, hk, dk)
+        core = self._delta_rule(query, key, value.reshape(1, n, hv, dv), decay, beta, tables)
+        return self._gated_norm(core.reshape(n, hv, dv), gate.reshape(n, hv, dv)).reshape(n, -1)
+
+    def _convolve(
+        self, qkv: Tensor, weight: Tensor, bias: Optional[Tensor], tables: HeadShardRows
+    ) -> Tensor:
+        """Causal depthwise convolution and activation of ``[owned, C]`` source-ordered rows,
+        per packed sequence: fla's kernel on CUDA, ``_causal_depthwise_conv`` elsewhere."""
+        if qkv.device.type == "cuda" and _gdn_common.HAVE_FLA:
+            out, _ = _gdn_common.causal_conv1d(
+                x=qkv.unsqueeze(0),
+                weight=weight,
+                bias=bias,
+                activation=self.activation,
+                cu_seqlens=tables.cu_seqlens,
+                cu_seqlens_cpu=tables.cu_seqlens_cpu,
+            )
+            return out[0]
+        return self.act_fn(_causal_depthwise_conv(qkv, weight, bias, tables.offsets))
+
+    def _delta_rule(self, query, key, value, decay, beta, tables: HeadShardRows) -> Tensor:
+        """The gated delta rule per packed sequence: fla's chunked kernel on CUDA (grouped
+        values, l2norm in the kernel), megatron-core's torch rule elsewhere.
+
+        ``query``, ``key``: ``[1, owned, hk, dk]``; ``value``: ``[1, owned, hv, dv]``;
+        ``decay`` (log space, fp32), ``beta``: ``[owned, hv]``. Returns ``[1, owned, hv, dv]``.
+        """
+        if query.device.type == "cuda" and _gdn_common.HAVE_FLA:
+            core, _ = _gdn_common.chunk_gated_delta_rule(
+                query,
+                key,
+                value,
+                g=decay.unsqueeze(0),
+                beta=beta.unsqueeze(0),
+                use_qk_l2norm_in_kernel=self.use_qk_l2norm,
+                cu_seqlens=tables.cu_seqlens,
+                cu_seqlens_cpu=tables.cu_seqlens_cpu,
+            )
+            return core
+        return self._delta_rule_torch(query, key, value, decay, beta, tables)
+
+    def _delta_rule_torch(self, query, key, value, decay, beta, tables: HeadShardRows) -> Tensor:
+        """megatron-core's torch chunked rule, one call per packed sequence (it takes no
+        ``cu_seqlens``); queries and keys repeated to the value heads as megatron does."""
+        if self.use_qk_l2norm:
+            query, key = _l2_normalised(query), _l2_normalised(key)
+        repeat = value.shape[2] // query.shape[2]
+        if repeat > 1:
+            query = query.repeat_interleave(repeat, dim=2)
+            key = key.repeat_interleave(repeat, dim=2)
+        bounds = tables.cu_seqlens_cpu.tolist()
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            piece = slice(start, end)
+            out, _ = torch_chunk_gated_delta_rule(
+                query[:, piece],
+                key[:, piece],
+                value[:, piece],
+                g=decay[None, piece],
+                beta=beta[None, piece],
+                # One row per chunk: the rule as a plain recurrence. Its forward substitution
+                # inside longer chunks loses fp32 precision (A_log / dt_bias gradients of tiny
+                # models off by 1e-5 to 3e-5 relative at chunk 64 or 8); this CPU path is the
+                # GPU path's oracle, so it favours precision over speed.
+                chunk_size=1,
+            )
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+    def _gated_norm(self, core: Tensor, gate: Tensor) -> Tensor:
+        """``out_norm(core) * act(gate)`` per head, in ``core``'s dtype (megatron's order)."""
+        normed = self.out_norm(core.reshape(-1, core.shape[-1]))
+        gated = normed * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
+        return gated.to(core.dtype).reshape(core.shape)
+
+
+def get_gated_delta_net_with_context_parallel_spec() -> ModuleSpec:
+    """The mixer spec of a GDN layer from megatron-core's local modules (no TransformerEngine).
+
+    ``ContextParallelGatedDeltaNet`` with ``ColumnParallelLinear`` in, ``WrappedTorchNorm`` (the
+    config's normalization, per value head) as output norm and ``RowParallelLinear`` out: the
+    counterpart of ``hybrid_stack_spec``'s GDN mixer, whose projections are TE modules. The
+    layer around it normalises its input (``input_layernorm``), which TE fuses into ``in_proj``.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return ModuleSpec(
+        module=ContextParallelGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear
+        ),
+    )

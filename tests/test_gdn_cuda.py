@@ -1,0 +1,44 @@
+"""The Gated DeltaNet layer on CUDA (fla's kernels) under CP 2 equals the plain-torch CP 1 layer.
+
+Two gloo ranks share the GPU (spawned: CUDA does not survive a fork); each runs its rows of every
+plan kind through ``ContextParallelGatedDeltaNet`` in bf16, where the convolution and the gated
+delta rule are fla's Triton kernels over the source-ordered rows. The reference is the
+plain-torch step recurrence of ``test_gdn`` in fp32 from the same (bf16) parameters and inputs,
+so the tolerance is bf16's: each output, input gradient and summed parameter gradient within
+3e-2 of its own scale. CP 1 on the GPU is held to the same bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_distributed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+pytest.importorskip("fla", reason="fla's kernels are the CUDA path")
+
+# Head sizes fla's kernels tile well; heads divide by 2.
+SHAPE = dict(key_heads=4, value_heads=8, key_dim=32, value_dim=32, kernel=4)
+BF16_TOL = 3e-2
+
+
+def _world(rank, world_size):
+    import _megatron_cpu as mc
+    import test_gdn as t
+
+    mc.init_parallel(1, world_size)
+    failures = []
+    for i, kind in enumerate(t.KINDS if world_size > 1 else ("zigzag", "thd")):
+        got = t._run_case(rank, world_size, kind, 60 + i, SHAPE, "cuda", torch.bfloat16)
+        name = f"{kind} cp{world_size} rank {rank}"
+        failures += t._compare(name, got, kind, world_size, 60 + i, SHAPE, torch.bfloat16, BF16_TOL)
+    return failures
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_gdn_layer_on_cuda_with_fla_equals_plain_torch_cp1(cp):
+    failures = sum(run_distributed(_world, cp, start_method="spawn", timeout=600), [])
+    assert not failures, "\n".join(failures)
