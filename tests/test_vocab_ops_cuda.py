@@ -189,7 +189,9 @@ def test_grouped_topk_reselects_rows_whose_group_held_more(passes, monkeypatch):
     clear = ((srt[:, :8] - srt[:, 1:9]) > 1e-3).all(dim=1)
     assert torch.equal(ids[clear], logits.topk(8, dim=1).indices[clear])
     assert (logits.gather(1, ids) - values.double()).abs().max().item() < 1e-3
-    assert len(redone) == 1 and 1 <= redone[0] < 1000 // 50, redone
+    assert len(redone) == 1 and redone[0] >= 1, redone
+    if passes == 3:  # the default; one pass a tile leaves most rows to re-select (802 of 1000)
+        assert redone[0] < 1000 // 50, redone
 
 
 @pytest.mark.parametrize("loading", ["tma", "pointers", "alt"], indirect=True)
