@@ -249,8 +249,8 @@ def _w_gpt(rank, world, plan_kind):
     ids = torch.randint(0, mc.TINY["vocab_size"], (seq_len,), generator=g)
     labels = torch.randint(0, mc.TINY["vocab_size"], (seq_len,), generator=g)
     plan = None
+    order = torch.randperm(seq_len, generator=g)  # drawn at every CP size: the same loss weights
     if world > 1 and plan_kind == "uneven":
-        order = torch.randperm(seq_len, generator=g)
         plan = ContextParallelPlan.from_rank_positions([order[:70], order[70:]], seq_len)
     out = context_parallel_forward(
         model, ids.cuda(), labels.cuda(), plan=plan, fields=("hidden_states", "target_logprobs")
