@@ -60,6 +60,8 @@ _LAZY = {
     "ContextParallelGatedDeltaNet": "megatron.context_parallel.gdn",
     "HeadShardRows": "megatron.context_parallel.gdn",
     "get_gated_delta_net_with_context_parallel_spec": "megatron.context_parallel.gdn",
+    "set_attention_backend": "megatron.context_parallel.fused_attention",
+    "AttentionRuns": "megatron.context_parallel.attention_runs",
 }
 
 __all__ = [

@@ -7,18 +7,19 @@ Two modules replace their megatron-core counterparts in a GPT layer spec
   local row's *source* position, taken from the batch's ``ContextParallelParams``, instead of
   the table ``GPTModel`` slices in Megatron's zigzag order (right for that layout only).
 * ``ContextParallelAttention`` (for ``DotProductAttention``, which refuses
-  ``context_parallel_size > 1``) runs in plain torch on any device and accepts any
-  ``ContextParallelPlan``, uneven and empty shards included:
+  ``context_parallel_size > 1``) accepts any ``ContextParallelPlan``, uneven and empty shards
+  included:
 
   1. the local keys and values are padded to ``plan.max_count`` rows and all-gathered over the
      CP group in one collective (backward: one reduce-scatter that sums dK, dV from every
      rank's queries and keeps this rank's rows);
-  2. the local queries attend to every gathered key, masked by *source* positions: causal by
-     position, and only within the same packed sequence when the plan (or the batch) carries
-     ``cu_seqlens``; padding slots are never attended.
-
-  It is the backend that makes CP testable without TransformerEngine; it does not try to
-  compete with ring attention (memory is ``O(local rows x all rows)`` per head).
+  2. the local queries attend to every gathered key by *source* position: causal, and only
+     within the same packed sequence when the plan (or the batch) carries ``cu_seqlens``;
+     padding slots are never attended. On CUDA (fp16 / bf16, causal, dropout 0) this is a
+     fused attention with no score matrix (``fused_attention``: the batch's run tables,
+     ``attention_runs``, over cuDNN's varlen kernel); otherwise, and as the tests' oracle, the
+     dense computation in plain torch (memory ``O(local rows x all rows)`` per head).
+     ``fused_attention.select_backend`` decides, per call.
 
 How the modules learn the batch: ``ContextParallelParams``, a ``PackedSeqParams`` subclass with
 ``qkv_format="sbhd"``, travels through ``GPTModel.forward`` as ``packed_seq_params`` (megatron
@@ -326,8 +327,10 @@ class ContextParallelAttention(MegatronModule):
     Returns the context ``[sq, b, np * hn]``. Gradients: dQ stays local; dK, dV of every rank's
     queries are summed onto the owning rank by the reduce-scatter of the gather's backward.
     Supports causal and unmasked (``no_mask`` / ``padding`` without a mask) self-attention,
-    GQA, dropout, fp32 / bf16 / fp16 (softmax in fp32). Sliding windows, softmax offsets and
-    attention bias raise.
+    GQA, dropout, fp32 / bf16 / fp16 (softmax in fp32). Causal calls on CUDA in fp16 / bf16
+    with ``b == 1`` take the fused path (``fused_attention.select_backend``), which refuses
+    dropout > 0 with a ValueError (``set_attention_backend("dense")`` keeps the dense path).
+    Sliding windows, softmax offsets and attention bias raise.
 
     Rotary embeddings are applied before this module, by its self-attention. Under
     ``ContextParallelSelfAttention`` they are right for any plan (that module sets
