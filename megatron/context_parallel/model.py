@@ -550,12 +550,8 @@ def _undescribed_call() -> Tuple[int, ...]:
     return (0,) * (ContextParallelPlan.AGREEMENT_VALUES + options + len(_CALL_TAIL))
 
 
-def _prepare_batch(
-    gpt, input_ids, labels, position_ids, cu_seqlens, plan, cp_group, tp_group, options
-) -> Tuple[ContextParallelBatch, Tuple[int, ...]]:
-    """The batch and the ints that describe the call; local work only, raises on bad input."""
-    _check_model(gpt)
-    config = gpt.config
+def _batch_inputs(gpt, input_ids, labels, plan):
+    """(input_ids [S] or None, labels [S] or None, S, device); ValueError on a bad batch."""
     if input_ids is not None:
         input_ids = _as_sequence(input_ids, "input_ids")
         seq_len, device = input_ids.shape[0], input_ids.device
@@ -568,11 +564,11 @@ def _prepare_batch(
         device = next(gpt.parameters()).device
     if labels is not None:
         labels = _as_sequence(labels, "labels", seq_len)
-    cp_rank, cp_size = groups.group_rank_and_size(cp_group)
-    tp_size = groups.group_rank_and_size(tp_group)[1] if tp_group is not None else 1
+    return input_ids, labels, seq_len, device
 
-    cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
-    plan, cu = _resolve_plan(plan, seq_len, cp_size, cu)
+
+def _check_layout(config, plan, tp_size: int) -> None:
+    """Refuse plans the model's pipeline or sequence-parallel settings cannot carry."""
     if (
         config.pipeline_model_parallel_size > 1
         and not config.variable_seq_lengths
@@ -589,22 +585,12 @@ def _prepare_batch(
             f"sequence parallelism needs every CP shard non-empty and divisible by TP "
             f"{tp_size}; plan counts {plan.counts}"
         )
-    if position_ids is None:
-        position_ids = default_position_ids(seq_len, cu)
-    else:
-        position_ids = _as_sequence(position_ids, "position_ids", seq_len)
-    host_positions = functools.lru_cache(maxsize=1)(lambda: position_ids.to("cpu", torch.int64))
 
-    rotary = gpt.position_embedding_type == "rope"
-    backend, module = _attention_backend(gpt)
-    _check_plan_for_backend(backend, module, plan, cu, host_positions, rotary)
-    if hybrid.is_hybrid_model(gpt):
-        # HybridModel.forward takes no output_processor: hooks on the model add it.
-        hybrid.check_layers(gpt, plan, cu)
-        hybrid.attach_head(gpt)
 
-    # This rank's rows (an index, no communication: ids carry no gradient), plus one padding row
-    # on an empty rank: megatron-core's layers cannot run zero rows.
+def _local_rows(plan, cp_rank, input_ids, position_ids, device):
+    """(local ids or None, local position ids, padding rows): this rank's rows by an index (no
+    communication: ids carry no gradient), one padding row on an empty rank (megatron-core's
+    layers cannot run zero rows)."""
     padding = 1 if plan.counts[cp_rank] == 0 else 0
     rows = plan.local_positions(cp_rank, device)
     local_positions = position_ids.to(device, torch.int64).index_select(0, rows)
@@ -612,8 +598,12 @@ def _prepare_batch(
     if padding:
         local_positions = local_positions.new_zeros(1)
         local_ids = None if local_ids is None else local_ids.new_zeros(1)
+    return local_ids, local_positions, padding
 
-    attention_mask, packed = None, None
+
+def _attention_inputs(gpt, backend, plan, cu, cp_group, cp_size, position_ids, device):
+    """(attention_mask, packed_seq_params) for the layers' attention backend."""
+    rotary = gpt.position_embedding_type == "rope"
     # A hybrid's Gated DeltaNet layers take their rows from the params too, also on a pipeline
     # stage without attention layers.
     with_params = backend == _NO_LAYERS and hybrid.is_hybrid_model(gpt)
@@ -628,11 +618,63 @@ def _prepare_batch(
             # Every layer applies the rows above: GPTModel's own table would be dead work.
             megatron_table=backend != _SOURCE,
         )
-    elif backend == _LOCAL:
-        attention_mask = _local_mask(plan, cu, device)
-    elif backend == _TE and cu is not None:
-        packed = _te_thd_params(cu, cp_group, device)
+        return None, packed
+    if backend == _LOCAL:
+        return _local_mask(plan, cu, device), None
+    if backend == _TE and cu is not None:
+        return None, _te_thd_params(cu, cp_group, device)
+    return None, None
 
+
+def _call_description(plan, options, cu, backend, labels, input_ids) -> Tuple[int, ...]:
+    """The ints every rank compares in the exchange (fixed length: see ``_CALL_TAIL``)."""
+    tail = dict(
+        # Tuples of ints hash alike in every process.
+        cu_seqlens_hash=0 if cu is None else hash(cu) & ((1 << 62) - 1),
+        backend=_BACKEND_CODES[backend],
+        labels_given=int(labels is not None),
+        input_ids_given=int(input_ids is not None),
+    )
+    return (
+        *plan.agreement_values(),
+        *options.describe(),
+        *(tail[name] for name in _CALL_TAIL),
+    )
+
+
+def _prepare_batch(
+    gpt, input_ids, labels, position_ids, cu_seqlens, plan, cp_group, tp_group, options
+) -> Tuple[ContextParallelBatch, Tuple[int, ...]]:
+    """The batch and the ints that describe the call; local work only, raises on bad input."""
+    _check_model(gpt)
+    config = gpt.config
+    input_ids, labels, seq_len, device = _batch_inputs(gpt, input_ids, labels, plan)
+    cp_rank, cp_size = groups.group_rank_and_size(cp_group)
+    tp_size = groups.group_rank_and_size(tp_group)[1] if tp_group is not None else 1
+
+    cu = None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
+    plan, cu = _resolve_plan(plan, seq_len, cp_size, cu)
+    _check_layout(config, plan, tp_size)
+    if position_ids is None:
+        position_ids = default_position_ids(seq_len, cu)
+    else:
+        position_ids = _as_sequence(position_ids, "position_ids", seq_len)
+    host_positions = functools.lru_cache(maxsize=1)(lambda: position_ids.to("cpu", torch.int64))
+
+    backend, module = _attention_backend(gpt)
+    rotary = gpt.position_embedding_type == "rope"
+    _check_plan_for_backend(backend, module, plan, cu, host_positions, rotary)
+    if hybrid.is_hybrid_model(gpt):
+        # HybridModel.forward takes no output_processor: hooks on the model add it.
+        hybrid.check_layers(gpt, plan, cu)
+        hybrid.attach_head(gpt)
+
+    local_ids, local_positions, padding = _local_rows(
+        plan, cp_rank, input_ids, position_ids, device
+    )
+    attention_mask, packed = _attention_inputs(
+        gpt, backend, plan, cu, cp_group, cp_size, position_ids, device
+    )
     processor = make_output_processor(plan, labels=labels, cp_group=cp_group, options=options)
     batch = ContextParallelBatch(
         input_ids=None if local_ids is None else local_ids[None],
@@ -645,19 +687,7 @@ def _prepare_batch(
         padding_rows=padding,
         per_token_loss=bool(config.calculate_per_token_loss),
     )
-    tail = dict(
-        # Tuples of ints hash alike in every process.
-        cu_seqlens_hash=0 if cu is None else hash(cu) & ((1 << 62) - 1),
-        backend=_BACKEND_CODES[backend],
-        labels_given=int(labels is not None),
-        input_ids_given=int(input_ids is not None),
-    )
-    call = (
-        *plan.agreement_values(),
-        *options.describe(),
-        *(tail[name] for name in _CALL_TAIL),
-    )
-    return batch, call
+    return batch, _call_description(plan, options, cu, backend, labels, input_ids)
 
 
 def _agree(problem: Optional[BaseException], call, cp_group, tp_group) -> None:
