@@ -32,10 +32,9 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-16}"
-# The lent GPU machines set CXX=/opt/gcc/bin/g++, a wrapper whose links leave libstdc++.so out
-# (ldd shows none), so the extension carries its own copy of the stream code; formatting an
-# integer into a TORCH_CHECK message then segfaults instead of raising (2026-12-02, g++ 13.3,
-# torch 2.11). The system compiler links libstdc++.so and the same checks raise RuntimeError.
+# The lent GPU machines set CXX=/opt/gcc/bin/g++, which links the C++ runtime statically: a failing
+# TORCH_CHECK then segfaults instead of raising, so setup.py refuses that build (naming this
+# fix). The system compiler links libstdc++.so and the checks raise RuntimeError.
 if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
   export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 fi
