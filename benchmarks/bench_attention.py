@@ -13,11 +13,12 @@ groups, head dim 128), side by side in one run:
 * ``flex``: FlexAttention (torch's Triton backend, default blocks) with a block mask built from
   the plan (rows sorted by position, keys in compact order), compiled once per case.
 
-Reported: median ms (CUDA events, methods timed in turns), ratio to the floor, extra peak memory
-(``max_memory_allocated`` during the call minus what was allocated before it, minus the output
-and, for forward+backward, the gradients of Q and K/V), the max error against the dense fp32
-computation on a slice of rows, the run tables' build time (host, per batch) against one
-layer's forward+backward, and cuDNN graph builds over 20 batches of random plans.
+Reported: median ms (CUDA events, methods timed in turns by ``bench_head.time_round_robin``),
+ratio to the floor, extra peak memory (``max_memory_allocated`` during the call minus what was
+allocated before it, minus the output and, for forward+backward, the gradients of Q and K/V),
+the max error against the dense fp32 computation on a slice of rows, the run tables' build
+time (host, per batch) against one layer's forward+backward, and cuDNN graph builds over 20
+batches of random plans.
 
 ``--model`` adds the GPTModel row: 4 layers shaped like a 27B dense model (hidden 5,120, 40/8
 heads, FFN 17,408), S = 20,436, the uneven plan's rank-0 rows run at CP 1 (a world-1 group,
@@ -34,7 +35,6 @@ import json
 import os
 import pathlib
 import random
-import statistics
 import sys
 import time
 
@@ -42,6 +42,8 @@ import torch
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
+
+from bench_head import time_ms, time_round_robin  # noqa: E402
 
 from megatron.context_parallel import ContextParallelPlan, _attention_cudnn  # noqa: E402
 from megatron.context_parallel.attention_runs import AttentionRuns  # noqa: E402
@@ -130,32 +132,6 @@ def causal_share(plan, rank, cu):
 # --- timing ----------------------------------------------------------------------------------
 
 
-def _ms(fn, reps=1):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def in_turns(fns, reps, warmup=1, seed=0):
-    """Median ms of each function, every round running each once in a new order."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    order = list(fns)
-    rng = random.Random(seed)
-    for _ in range(reps):
-        rng.shuffle(order)
-        for name in order:
-            times[name].append(_ms(fns[name]))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def extra_peak(fn, kept_bytes):
     """GiB allocated at the peak of ``fn()`` beyond what existed before and ``kept_bytes``."""
     torch.cuda.synchronize()
@@ -193,7 +169,7 @@ def _sdpa_times(n, reps, device):
         torch.autograd.backward(fwd(), do)
         q.grad = k.grad = v.grad = None
 
-    t = in_turns({"fwd": fwd, "both": both}, reps)
+    t = time_round_robin({"fwd": fwd, "both": both}, device, reps, 1)
     return t["fwd"], t["both"]
 
 
@@ -311,7 +287,7 @@ def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense,
         other = Case(plan, rank, cu, device, **build)
         fns[f"{label} fwd"] = lambda c=other, sh=shared: c.ours(False, sh)
         fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared: c.ours(True, sh)
-    t = in_turns(fns, reps)
+    t = time_round_robin(fns, device, reps, 1)
     n = case.query.shape[0]
     row_bytes = HEADS * DIM * 2
     kept_f = n * row_bytes
@@ -347,7 +323,7 @@ def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense,
         row["flex fwd+bwd x"] = t["flex fwd+bwd"] / floor_b
     if with_dense:
         try:
-            row["dense fwd x"] = _ms(case.dense_forward) / floor_f
+            row["dense fwd x"] = time_ms(case.dense_forward, device, 1, 0) / floor_f
             row["dense extra GiB"] = extra_peak(case.dense_forward, kept_f)
         except torch.OutOfMemoryError:
             row["dense fwd x"] = "OOM"
@@ -465,9 +441,9 @@ def model_row(device, reps):
         )
         out.target_logprobs.sum().backward()
 
-    model_ms = in_turns({"model": step}, reps)["model"]
+    model_ms = time_round_robin({"model": step}, device, reps, 1)["model"]
     case = Case(plan, 0, None, device)
-    attn_ms = in_turns({"attn": lambda: case.ours(True)}, reps)["attn"]
+    attn_ms = time_round_robin({"attn": lambda: case.ours(True)}, device, reps, 1)["attn"]
     return {
         "model fwd+bwd ms": model_ms,
         "attention fwd+bwd ms (one layer)": attn_ms,

@@ -154,30 +154,37 @@ def _finish(g):
     return g, g.get_workspace_size()
 
 
-def _forward_graph(handle, dtype, runs, heads, groups, dim, q_tok, kv_tok, scale, want_stats):
+def _start_graph(handle, dtype, runs, heads, groups, dim):
+    """A graph with the inputs every pass reads: (graph, io type, the sdpa arguments of the
+    entry lengths and the diagonal, q, k, v descriptors)."""
     cudnn = _cudnn()
     io = _io_type(dtype)
     b, sq, skv = runs.batch, runs.max_q, runs.max_kv
+    q_tok, kv_tok = heads * dim, groups * 2 * dim
     g = cudnn.pygraph(
         handle=handle, io_data_type=io,
         intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT,
     )  # fmt: skip
     len_q, len_kv = _lengths(g, b)
-    q = _rows(g, "q", _Q, b, heads, sq, dim, q_tok, dim, io, _ragged(g, "off_q", _OFF_Q, b))
-    k = _rows(g, "k", _K, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_k", _OFF_K, b))
-    v = _rows(g, "v", _V, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_v", _OFF_V, b))
-    o, stats = g.sdpa(
-        name="attention",
-        q=q,
-        k=k,
-        v=v,
-        generate_stats=want_stats,
-        attn_scale=scale,
+    mask = dict(
         use_padding_mask=True,
         seq_len_q=len_q,
         seq_len_kv=len_kv,
         diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
         diagonal_band_right_bound=0,
+    )
+    q = _rows(g, "q", _Q, b, heads, sq, dim, q_tok, dim, io, _ragged(g, "off_q", _OFF_Q, b))
+    k = _rows(g, "k", _K, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_k", _OFF_K, b))
+    v = _rows(g, "v", _V, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_v", _OFF_V, b))
+    return g, io, mask, q, k, v
+
+
+def _forward_graph(handle, dtype, runs, heads, groups, dim, scale, want_stats):
+    cudnn = _cudnn()
+    g, io, mask, q, k, v = _start_graph(handle, dtype, runs, heads, groups, dim)
+    b, sq = runs.batch, runs.max_q
+    o, stats = g.sdpa(
+        name="attention", q=q, k=k, v=v, generate_stats=want_stats, attn_scale=scale, **mask
     )
     o.set_uid(_O).set_output(True).set_dim([b, heads, sq, dim])
     o.set_stride([sq * heads * dim, dim, heads * dim, 1]).set_data_type(io)
@@ -191,20 +198,9 @@ def _forward_graph(handle, dtype, runs, heads, groups, dim, q_tok, kv_tok, scale
 
 def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, deterministic):
     cudnn = _cudnn()
-    io = _io_type(dtype)
+    g, io, mask, q, k, v = _start_graph(handle, dtype, runs, heads, groups, dim)
     b, sq, skv = runs.batch, runs.max_q, runs.max_kv
     q_tok, kv_tok = heads * dim, groups * 2 * dim
-    g = cudnn.pygraph(
-        handle=handle, io_data_type=io,
-        intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT,
-    )  # fmt: skip
-    len_q, len_kv = _lengths(g, b)
-    off_q = _ragged(g, "off_q", _OFF_Q, b)
-    off_k = _ragged(g, "off_k", _OFF_K, b)
-    off_v = _ragged(g, "off_v", _OFF_V, b)
-    q = _rows(g, "q", _Q, b, heads, sq, dim, q_tok, dim, io, off_q)
-    k = _rows(g, "k", _K, b, groups, skv, dim, kv_tok, 2 * dim, io, off_k)
-    v = _rows(g, "v", _V, b, groups, skv, dim, kv_tok, 2 * dim, io, off_v)
     off_o = _ragged(g, "off_o", _OFF_O, b)
     o = _rows(g, "o", _O, b, heads, sq, dim, q_tok, dim, io, off_o)
     do = _rows(g, "do", _DO, b, heads, sq, dim, q_tok, dim, io, off_o)
@@ -222,14 +218,10 @@ def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, dete
         dO=do,
         stats=stats,
         attn_scale=scale,
-        use_padding_mask=True,
-        seq_len_q=len_q,
-        seq_len_kv=len_kv,
         max_total_seq_len_q=totals[0],
         max_total_seq_len_kv=totals[1],
-        diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
-        diagonal_band_right_bound=0,
         use_deterministic_algorithm=deterministic,
+        **mask,
     )
     for t, uid, h, tok, hs, name, off in (
         (dq, _DQ, heads, q_tok, dim, "off_dq", _OFF_DQ),
@@ -264,12 +256,10 @@ def forward(
     handle = _handle(q.device)
     g, ws = _graph(
         key,
-        lambda: _forward_graph(
-            handle, q.dtype, runs, heads, groups, dim, heads * dim, groups * 2 * dim, scale,
-            want_stats,
-        ),
-    )  # fmt: skip
-    alloc = torch.empty if runs.rows_covered or not runs.identity else torch.zeros
+        lambda: _forward_graph(handle, q.dtype, runs, heads, groups, dim, scale, want_stats),
+    )
+    # Only an empty rank's padding row lies outside every entry: it must read zero.
+    alloc = torch.empty if runs.rows_covered else torch.zeros
     o = alloc((tq, heads, dim), dtype=q.dtype, device=q.device)
     stats = torch.empty((tq, heads), dtype=torch.float32, device=q.device) if want_stats else None
     kv_tok = groups * 2 * dim
