@@ -24,9 +24,11 @@ Two choices keep the batch cheap for the kernel:
   a span buffer (``span_source``) and the outputs gathered back (``local_to_span``).
 
 Entries of one sequence share their keys' prefix. A kernel's backward writes each entry's key
-and value gradients whole, so entries must not overlap there: when some sequence has two or
-more entries the backward reads a *materialised* key buffer, each entry's key range copied to
-its own rows (``kv_source``), and sums the per-entry gradients back onto the compact keys.
+and value gradients whole, so their gradient rows must not overlap: when some sequence has two
+or more entries (``materialize``) each entry gets its own gradient rows (``mat_start``; a
+kernel that cannot read overlapping key ranges is also given the keys copied to those rows,
+``kv_source``), and each all-gather slot's gradient is the sum of its key's rows
+(``slot_copies``).
 
 Everything here is built once per batch on the host from the plan, then copied to the device
 once (``on(device)``), and shared by every layer.
@@ -119,10 +121,10 @@ class AttentionRuns:
         local_to_span: int64 ``[counts[rank]]``, the query-buffer row of each local row (None
             when ``identity``).
         query_rows: rows of the query buffer (``rows`` when ``identity``).
-        materialize: the backward copies each entry's keys to its own rows.
-        kv_source: int64 ``[mat_rows]``, the compact key of each row of the backward's key
-            buffer (None unless ``materialize``).
-        mat_rows: rows of the backward's key buffer (``num_keys`` unless ``materialize``).
+        materialize: entries overlap, so each gets its own rows of key gradients.
+        kv_source: int64 ``[mat_rows]``, the compact key of each of those rows (None unless
+            ``materialize``).
+        mat_rows: rows of the backward's key gradients (``num_keys`` unless ``materialize``).
         compact_slots: int64 ``[N]``, the all-gather slot of each compact key, or None when the
             slots already are the compact keys (a contiguous plan with equal shards).
         slots: rows of the padded all-gather (``cp_size * max_count``).
