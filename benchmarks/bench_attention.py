@@ -46,6 +46,10 @@ sys.path.insert(0, str(_ROOT))
 from bench_head import time_ms, time_round_robin  # noqa: E402
 
 from megatron.context_parallel import ContextParallelPlan, _attention_cudnn  # noqa: E402
+from megatron.context_parallel.attention_blocks import (  # noqa: E402
+    AttentionBlocks,
+    build_attention_tables,
+)
 from megatron.context_parallel.attention_runs import AttentionRuns  # noqa: E402
 from megatron.context_parallel.fused_attention import fused_attention  # noqa: E402
 
@@ -53,10 +57,10 @@ HEADS, GROUPS, DIM = 40, 8, 128
 GiB = float(1 << 30)
 # (label, AttentionRuns.build keywords, shared keys in the backward) for --variants.
 VARIANTS = (
-    ("fine", {"shape_buckets": 16}, False),
-    ("longest", {"longest_first": True}, False),
-    ("fine+longest", {"shape_buckets": 16, "longest_first": True}, False),
-    ("shared", {}, True),
+    ("fine", {"shape_buckets": 16}, True),
+    ("longest", {"longest_first": True}, True),
+    ("fine+longest", {"shape_buckets": 16, "longest_first": True}, True),
+    ("copies", {}, False),
 )
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 
@@ -181,7 +185,7 @@ def sdpa_floor(lengths, reps, device):
 class Case:
     """Inputs of one rank's rows: query [n, H, d], K/V slots [cp * max_count, G, 2d]."""
 
-    def __init__(self, plan, rank, cu, device, **build):
+    def __init__(self, plan, rank, cu, device, layout="auto", **build):
         self.plan, self.rank, self.cu = plan, rank, cu
         g = torch.Generator(device=device).manual_seed(plan.seq_len + rank)
         n = plan.counts[rank]
@@ -199,12 +203,18 @@ class Case:
         for _ in range(2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            self.runs = AttentionRuns.build(plan, rank, self.sequence, **build)
+            if layout == "auto" and not build:
+                self.runs = build_attention_tables(plan, rank, self.sequence)
+            elif layout == "blocks":
+                self.runs = AttentionBlocks.build(plan, rank, self.sequence, **build)
+            else:
+                self.runs = AttentionRuns.build(plan, rank, self.sequence, **build)
             self.runs.on(device)
             torch.cuda.synchronize()
             self.build_ms = (time.perf_counter() - t0) * 1e3
 
-    def ours(self, backward, shared=False):
+    def ours(self, backward, shared=True):
+        # The library's default reads shared key ranges; the "copies" variant turns it off.
         _attention_cudnn.shared_keys_in_backward = shared
         q = self.query.detach().requires_grad_(backward)
         kv = self.kv_slots.detach().requires_grad_(backward)
@@ -271,7 +281,10 @@ class Case:
         return fwd, both
 
 
-def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense, variants=()):
+def bench_case(
+    name, plan, rank, cu, floor, reps, device, with_flex, with_dense, variants=(),
+    compare_layouts=False,
+):  # fmt: skip
     case = Case(plan, rank, cu, device)
     shares = causal_share(plan, rank, cu)
     floor_f = sum(floor[n][0] * s for n, s in shares)
@@ -283,6 +296,10 @@ def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense,
             fns["flex fwd"], fns["flex fwd+bwd"] = flex_f, flex_b
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"  flex skipped: {type(exc).__name__}: {str(exc)[:200]}")
+    if compare_layouts:
+        # The layout the choice did not take, timed beside it.
+        other = "runs" if isinstance(case.runs, AttentionBlocks) else "blocks"
+        variants = tuple(variants) + ((other, {"layout": other}, True),)
     for label, build, shared in variants:
         other = Case(plan, rank, cu, device, **build)
         fns[f"{label} fwd"] = lambda c=other, sh=shared: c.ours(False, sh)
@@ -313,7 +330,7 @@ def bench_case(name, plan, rank, cu, floor, reps, device, with_flex, with_dense,
         "extra GiB fwd+bwd": mem_b,
         "max err vs fp32": err,
         "tables ms": case.build_ms,
-        "tables / layer fwd+bwd": case.build_ms / t["ours fwd+bwd"],
+        "tables % of fwd+bwd": 100 * case.build_ms / t["ours fwd+bwd"],
     }
     for label, _, _ in variants:
         row[f"{label} fwd x"] = t[f"{label} fwd"] / floor_f
@@ -365,23 +382,27 @@ def graph_builds_over_random_plans(seq_len, device, batches=20, seed=1):
     }
 
 
-def profile_case(plan, rank, cu, device, path):
-    """Kernel times of one forward+backward (torch.profiler), the top rows printed and saved."""
+def profile_case(plan, rank, cu, device, path, layout="auto"):
+    """Kernel times of one forward+backward (torch.profiler), the top rows printed and saved,
+    with the call's wall time and the GPU's busy time (host-bound when they differ)."""
     from torch.profiler import ProfilerActivity, profile
 
-    case = Case(plan, rank, cu, device)
+    case = Case(plan, rank, cu, device, layout=layout)
     for _ in range(2):
         case.ours(True)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         case.ours(True)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
-    )
+        wall = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3
+    table = events.table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=60)
+    head = f"{case.runs.describe()}: wall {wall:.2f} ms (profiled), GPU busy {gpu:.2f} ms\n"
     with open(path, "w") as f:
-        f.write(table)
-    print(table)
+        f.write(head + table)
+    print(head + table)
 
 
 def model_row(device, reps):
@@ -466,17 +487,26 @@ def main():
     parser.add_argument("--flex-long", action="store_true", help="FlexAttention at S > 32k too")
     parser.add_argument("--model", action="store_true")
     parser.add_argument("--profile", action="store_true", help="kernel table of two cases")
+    parser.add_argument("--profile-layout", default="blocks", help="also profile this layout")
     parser.add_argument(
         "--variants",
         action="store_true",
         help="also time other table settings: exact shapes, longest entries first, shared keys",
     )
+    parser.add_argument(
+        "--compare-layouts",
+        action="store_true",
+        help="also time the table layout (runs / blocks) that the choice did not take",
+    )
+    parser.add_argument("--cases", default="", help="only cases whose name contains one of these")
+    parser.add_argument("--no-graph-builds", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     device = torch.device("cuda")
     results = {"rows": [], "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for seq_len in (int(s) for s in args.sizes.split(",")):
-        plans = cases(seq_len)
+        wanted = [c for c in args.cases.split(",") if c]
+        plans = [p for p in cases(seq_len) if not wanted or any(w in p[0] for w in wanted)]
         lengths = [n for _, p, r, cu in plans for n, _ in causal_share(p, r, cu)]
         floor = sdpa_floor(lengths, args.reps, device)
         results[f"floor {seq_len}"] = {str(k): v for k, v in floor.items()}
@@ -493,16 +523,22 @@ def main():
                 with_flex=not args.no_flex and (not long or args.flex_long),
                 with_dense=not long,
                 variants=VARIANTS if args.variants else (),
+                compare_layouts=args.compare_layouts,
             )
             results["rows"].append(row)
             print(json.dumps({k: _fmt(v) for k, v in row.items()}), flush=True)
     results["workspace bytes"] = _attention_cudnn.workspace_bytes()
     if args.profile:
-        for name, plan, rank, cu in cases(20436)[:3:2]:
-            print("== profile:", name)
-            profile_case(plan, rank, cu, device, os.path.join(args.out, f"profile_{rank}.txt"))
-    results["graph builds"] = graph_builds_over_random_plans(20436, device)
-    print(json.dumps(results["graph builds"]), flush=True)
+        wanted = [c for c in args.cases.split(",") if c]
+        chosen = [p for p in cases(20436) if not wanted or any(w in p[0] for w in wanted)]
+        for i, (name, plan, rank, cu) in enumerate(chosen[:2]):
+            for layout in ("auto", args.profile_layout):
+                print("== profile:", name, layout)
+                out = os.path.join(args.out, f"profile_{i}_{layout}.txt")
+                profile_case(plan, rank, cu, device, out, layout)
+    if not args.no_graph_builds:
+        results["graph builds"] = graph_builds_over_random_plans(20436, device)
+        print(json.dumps(results["graph builds"]), flush=True)
     if args.model:
         results["model"] = model_row(device, max(2, args.reps // 2))
         print(json.dumps(results["model"]), flush=True)
@@ -510,7 +546,10 @@ def main():
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     cols = ["case", "S", "rows", "ours fwd x", "ours fwd+bwd x", "flex fwd x", "flex fwd+bwd x"]
-    cols += ["dense fwd x", "extra GiB fwd+bwd", "max err vs fp32", "tables / layer fwd+bwd"]
+    cols += ["dense fwd x", "extra GiB fwd", "extra GiB fwd+bwd", "max err vs fp32", "tables ms"]
+    cols += ["tables % of fwd+bwd"]
+    if args.compare_layouts:
+        cols += ["tables", "runs fwd x", "runs fwd+bwd x", "blocks fwd x", "blocks fwd+bwd x"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c, "-")) for c in cols) + " |")

@@ -3,7 +3,7 @@
 #
 # Usage (repo root):
 #   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|probe|
-#                             head|probe-head|gluon-topk|gdn]
+#                             head|probe-head|gluon-topk|gdn|attention]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head | probe-head | gluon-topk | gdn) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head | probe-head | gluon-topk | gdn | attention) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -120,17 +120,42 @@ if [[ "$mode" == gluon-topk ]]; then
   exit 0
 fi
 
+if [[ "$mode" == attention ]]; then
+  # The fused attention (issue 26): the extension (row gathers), the GPU tests against the
+  # float64 oracle, then bench_attention.py with BENCH_ARGS (default: every case, both layouts
+  # where the choice matters). nvidia-cudnn-frontend and pytest-xdist from .whl: carry it.
+  # Logs: build.log, attention_tests.log, bench_attention.{log,json,md}.
+  carry_wheels
+  echo "== build"
+  { time MCP_FORCE_CUDA_BUILD=1 "$py" setup.py build_ext --inplace; } >"$out/build.log" 2>&1
+  tail -n 3 "$out/build.log"
+  xdist=()
+  "$py" -c "import xdist" 2>/dev/null && xdist=(-n 4)
+  echo "== attention GPU tests"
+  timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest tests/test_attention_cuda.py -q -rs \
+    "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$out/attention_tests.log" | tail -n 15
+  echo "== attention benchmark"
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of options
+  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench_attention.py \
+    ${BENCH_ARGS:---compare-layouts --reps 3} --out "$out" 2>&1 \
+    | tee "$out/bench_attention.log" | tail -n 30
+  exit 0
+fi
+
 if [[ "$mode" == gdn ]]; then
   # Gated DeltaNet on fla's kernels (issue 28): the GPU test (the layer at CP 1 and CP 2 over
   # gloo on one GPU, bf16, against the plain-torch reference), then bench_gdn.py (S = 20,436,
   # Qwen3.5-27B's GDN shape, one rank). Needs fla-core 0.6.0 and einops (pure-Python wheels)
   # beside megatron-core: carry them in .whl. Logs: gdn_tests.log, gdn_bench.log.
+  # MCP_LIFT_FLA_HOPPER_GUARD=1 and GDN_BENCH_ARGS=--lift-fla-hopper-guard run fla's gated
+  # backward where it refuses Triton < 3.7.1 on Hopper (see bench_gdn.py).
   carry_wheels
   echo "== GDN GPU tests"
   timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest tests/test_gdn_cuda.py -q -rs \
     -p no:cacheprovider 2>&1 | tee "$out/gdn_tests.log" | tail -n 15
   echo "== GDN benchmark"
-  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench_gdn.py 2>&1 \
+  # shellcheck disable=SC2086 # GDN_BENCH_ARGS is a list of options
+  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench_gdn.py ${GDN_BENCH_ARGS:-} 2>&1 \
     | tee "$out/gdn_bench.log" | tail -n 16
   exit 0
 fi

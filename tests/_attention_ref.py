@@ -1,9 +1,10 @@
 """A dense stand-in for the fused attention kernel, and an oracle written from positions alone.
 
 ``ReferenceKernel`` has the interface of ``megatron.context_parallel._attention_cudnn`` (the
-cuDNN kernel) and the same contract: each entry of the run tables is a bottom-right causal
-block of its ``q_len`` query rows over its ``kv_len`` keys; the backward writes each entry's key
-gradients whole (no accumulation across entries). Plugged into the fused path on the CPU, it
+cuDNN kernel) and the same contract: each entry is a bottom-right causal (or, for a call with
+``causal`` False, unmasked) block of its ``q_len`` query rows over its ``kv_len`` keys; the
+backward differentiates against the output and log-sum-exp it is given and writes each entry's
+key gradients whole (no accumulation across entries). Plugged into the fused path on the CPU, it
 checks every table (spans, dummies, key copies, compact keys) against ``oracle_attention``,
 which knows nothing of runs: each local row attends the owned positions of its sequence up to
 its own.
@@ -14,23 +15,31 @@ from __future__ import annotations
 import torch
 
 
-def _entry(q, k, v, scale):
-    """Dense bottom-right causal attention of one entry: q [n, H, d], k/v [m, G, d]."""
+def _stats_dtype(q):
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _scores(q, k, scale, causal):
+    """Scaled float64 scores ``[H, n, m]`` of one entry, bottom-right causal or unmasked."""
     n, heads, _ = q.shape
     m, groups = k.shape[0], k.shape[1]
-    k = k.repeat_interleave(heads // groups, dim=1)
-    v = v.repeat_interleave(heads // groups, dim=1)
-    scores = torch.einsum("nhd,mhd->hnm", q.double(), k.double()) * scale
-    rows = torch.arange(n, device=q.device)[:, None]
-    cols = torch.arange(m, device=q.device)[None, :]
-    scores = scores.masked_fill(cols > rows + (m - n), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [H, n]
-    out = torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), v.double())
-    return out, lse.transpose(0, 1)
+    k = k.double().repeat_interleave(heads // groups, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), k) * scale
+    if causal:
+        rows = torch.arange(n, device=q.device)[:, None]
+        cols = torch.arange(m, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (m - n), float("-inf"))
+    return scores
 
 
 class ReferenceKernel:
-    """The fused kernel's contract in plain torch (float64 math, any device)."""
+    """The fused kernel's contract in plain torch (float64 math, any device).
+
+    Forward: each entry's softmax attention and log-sum-exp. Backward: each entry's share of
+    the gradients *given* the output and log-sum-exp (which may cover more keys than the
+    entry's, when the caller split a row's keys over calls): ``P = exp(S - lse)``,
+    ``dS = P * (dO V^T - rowsum(dO * O))``; key gradients written to the entry's own rows.
+    """
 
     # Read each entry's keys where the forward did (tests switch it on to check that path).
     shared_keys_in_backward = False
@@ -38,35 +47,51 @@ class ReferenceKernel:
     @staticmethod
     def forward(q, kv, runs, dev, scale, want_stats):
         d = q.shape[-1]
+        heads = q.shape[1]
         o = torch.zeros_like(q)
-        stats = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+        # float64 statistics for float64 tests (cuDNN's are fp32 for its fp16 / bf16 inputs).
+        stats = torch.zeros(q.shape[:2], dtype=_stats_dtype(q), device=q.device)
         for e in range(runs.entries):
             qs, ql = int(runs.q_start[e]), int(runs.q_len[e])
             ks, kl = int(runs.k_start[e]), int(runs.kv_len[e])
             keys = kv[ks : ks + kl]
-            out, lse = _entry(q[qs : qs + ql], keys[..., :d], keys[..., d:], scale)
+            scores = _scores(q[qs : qs + ql], keys[..., :d], scale, runs.causal)
+            v = keys[..., d:].double().repeat_interleave(heads // kv.shape[1], dim=1)
+            out = torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), v)
             o[qs : qs + ql] = out.to(o.dtype)
-            stats[qs : qs + ql] = lse.float()
+            stats[qs : qs + ql] = torch.logsumexp(scores, dim=-1).transpose(0, 1).to(stats.dtype)
         return o, (stats if want_stats else None)
 
-    @staticmethod
-    def backward(q, kv, o, do, stats, runs, dev, scale, deterministic):
+    @classmethod
+    def backward(cls, q, kv, o, do, stats, runs, dev, scale, deterministic):
         d = q.shape[-1]
+        heads, groups = q.shape[1], kv.shape[1]
         dq = torch.zeros_like(q)
         # Rows no entry writes stay zero, as the cuDNN kernel's zero-initialised buffers do.
         dkv = kv.new_zeros((runs.mat_rows,) + tuple(kv.shape[1:]))
-        shared = kv.shape[0] != runs.mat_rows
+        copies = runs.materialize and not cls.shared_keys_in_backward
         for e in range(runs.entries):
             qs, ql = int(runs.q_start[e]), int(runs.q_len[e])
             ms, kl = int(runs.mat_start[e]), int(runs.kv_len[e])
-            ks = int(runs.k_start[e]) if shared else ms
-            qe = q[qs : qs + ql].detach().double().requires_grad_()
-            ke = kv[ks : ks + kl].detach().double().requires_grad_()
-            with torch.enable_grad():  # a Function's backward runs with grad mode off
-                out, _ = _entry(qe, ke[..., :d], ke[..., d:], scale)
-                gq, gk = torch.autograd.grad(out, (qe, ke), do[qs : qs + ql].double())
+            ks = ms if copies else int(runs.k_start[e])
+            keys = kv[ks : ks + kl].double()
+            k = keys[..., :d].repeat_interleave(heads // groups, dim=1)
+            v = keys[..., d:].repeat_interleave(heads // groups, dim=1)
+            qe = q[qs : qs + ql].double()
+            oe, doe = o[qs : qs + ql].double(), do[qs : qs + ql].double()
+            lse = stats[qs : qs + ql].double().transpose(0, 1)  # [H, n]
+            p = (_scores(qe, keys[..., :d], scale, runs.causal) - lse[..., None]).exp()
+            dp = torch.einsum("nhd,mhd->hnm", doe, v)
+            ds = p * (dp - (doe * oe).sum(-1).transpose(0, 1)[..., None])
+            gq = torch.einsum("hnm,mhd->nhd", ds, k) * scale
+            gk = torch.einsum("hnm,nhd->mhd", ds, qe) * scale
+            gv = torch.einsum("hnm,nhd->mhd", p, doe)
+            fold = (kl, groups, heads // groups, d)
             dq[qs : qs + ql] = gq.to(dq.dtype)
-            dkv[ms : ms + kl] = gk.to(dkv.dtype)  # written, not added: entries do not overlap
+            # Written, not added: entries do not share gradient rows.
+            dkv[ms : ms + kl] = torch.cat(
+                [gk.reshape(fold).sum(2), gv.reshape(fold).sum(2)], dim=-1
+            ).to(dkv.dtype)
         return dq, dkv
 
 

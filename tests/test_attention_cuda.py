@@ -15,6 +15,7 @@ from _dist import run_distributed
 
 from megatron.context_parallel import ContextParallelPlan
 from megatron.context_parallel import _attention_cudnn as cudnn_kernel
+from megatron.context_parallel.attention_blocks import AttentionBlocks, build_attention_tables
 from megatron.context_parallel.attention_runs import AttentionRuns
 from megatron.context_parallel.fused_attention import fused_attention
 
@@ -76,7 +77,7 @@ def _plan(kind, seq_len, g):
     raise AssertionError(kind)
 
 
-def _check(plan, rank, cu, heads, groups, dim, dtype, seed, merge_gap=64):
+def _check(plan, rank, cu, heads, groups, dim, dtype, seed, merge_gap=64, blocks=None):
     g = torch.Generator().manual_seed(seed)
     seq_len = plan.seq_len
     dev = torch.device("cuda")
@@ -84,9 +85,12 @@ def _check(plan, rank, cu, heads, groups, dim, dtype, seed, merge_gap=64):
     kv_full = torch.randn(seq_len, groups, 2 * dim, generator=g).to(dev, dtype)
     weight = torch.randn(seq_len, heads, dim, generator=g).to(dev, torch.float64)
     padding = 1 if plan.counts[rank] == 0 else 0
-    runs = AttentionRuns.build(
-        plan, rank, _sequence(seq_len, cu), padding_rows=padding, merge_gap=merge_gap
-    )
+    if blocks is not None and not padding:
+        runs = AttentionBlocks.build(plan, rank, _sequence(seq_len, cu), **blocks)
+    else:
+        runs = AttentionRuns.build(
+            plan, rank, _sequence(seq_len, cu), padding_rows=padding, merge_gap=merge_gap
+        )
     pos = plan.local_positions(rank).to(dev)
     query = q_full[pos]
     if padding:
@@ -133,6 +137,51 @@ def test_plans_match_the_oracle(kind, dtype):
     plan, cu = _plan(kind, 1024, g)
     for rank in range(plan.cp_size):
         _check(plan, rank, cu, 8, 2, 128, dtype, rank)
+
+
+def _packed_random(seq_len, cp, g):
+    """Packed sequences, each position to a random rank, rows in random order."""
+    cu = (0, 300, 1100, 1600, seq_len)
+    owner = torch.randint(0, cp, (seq_len,), generator=g)
+    ranks = []
+    for r in range(cp):
+        pos = torch.nonzero(owner == r).flatten()
+        ranks.append(pos[torch.randperm(pos.numel(), generator=g)])
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len, cu), cu
+
+
+@pytest.mark.parametrize(
+    "kind", ["random_half", "packed_random_quarter", "uneven", "zigzag", "permuted_unowned_empty"]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("span_budget", [512, 16384])
+def test_blocked_layout_matches_the_oracle(kind, dtype, span_budget):
+    """Bulk + diagonal spans merged by log-sum-exp, the backward's levels summed in fp32."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "packed_random_quarter":
+        plan, cu = _packed_random(2048, 4, g)
+    else:
+        plan, cu = _plan(kind, 2048, g)
+    for rank in range(plan.cp_size):
+        _check(plan, rank, cu, 8, 2, 128, dtype, rank, blocks={"span_budget": span_budget})
+
+
+def test_the_choice_takes_blocks_for_scattered_rows_and_runs_else():
+    g = torch.Generator().manual_seed(2)
+    half, _ = _plan("random_half", 4096, g)
+    seq = _sequence(4096, None)
+    assert isinstance(build_attention_tables(half, 0, seq), AttentionBlocks)
+    zig, _ = _plan("zigzag", 4096, g)
+    assert isinstance(build_attention_tables(zig, 0, seq), AttentionRuns)
+
+
+@pytest.mark.parametrize("heads,groups", [(8, 8), (10, 2), (8, 1)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_blocked_layout_gqa_ratios_and_head_dims(heads, groups, dim):
+    g = torch.Generator().manual_seed(3)
+    plan, cu = _packed_random(2048, 2, g)
+    for rank in range(2):
+        _check(plan, rank, cu, heads, groups, dim, torch.bfloat16, rank, blocks={})
 
 
 @pytest.mark.parametrize("heads,groups", [(8, 8), (10, 2), (8, 1)])
@@ -250,8 +299,15 @@ def _w_gpt(rank, world, plan_kind):
     labels = torch.randint(0, mc.TINY["vocab_size"], (seq_len,), generator=g)
     plan = None
     order = torch.randperm(seq_len, generator=g)  # drawn at every CP size: the same loss weights
-    if world > 1 and plan_kind == "uneven":
+    if world > 1 and plan_kind in ("uneven", "blocked"):
         plan = ContextParallelPlan.from_rank_positions([order[:70], order[70:]], seq_len)
+    if world > 1 and plan_kind == "blocked":
+        # The blocked layout on every rank, with groups of 16 rows (several levels).
+        import megatron.context_parallel.attention as attention
+
+        attention.build_attention_tables = lambda plan, rank, seq, padding_rows=0: (
+            AttentionBlocks.build(plan, rank, seq, group_rows=16, span_budget=40)
+        )
     out = context_parallel_forward(
         model, ids.cuda(), labels.cuda(), plan=plan, fields=("hidden_states", "target_logprobs")
     )
@@ -272,7 +328,7 @@ def _w_gpt(rank, world, plan_kind):
     }
 
 
-@pytest.mark.parametrize("plan_kind", ["default", "uneven"])
+@pytest.mark.parametrize("plan_kind", ["default", "uneven", "blocked"])
 def test_gpt_model_cp2_matches_cp1(plan_kind):
     ref = run_distributed(_w_gpt, 1, plan_kind, start_method="spawn", timeout=300)[0]
     got = run_distributed(_w_gpt, 2, plan_kind, start_method="spawn", timeout=300)

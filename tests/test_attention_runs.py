@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron.context_parallel import ContextParallelPlan
+from megatron.context_parallel.attention_blocks import AttentionBlocks, choose_layout
 from megatron.context_parallel.attention_runs import AttentionRuns, _bucket
 from megatron.context_parallel.fused_attention import fused_attention
 from megatron.context_parallel.mappings import gather_padded_from_context_parallel_region
@@ -44,13 +45,19 @@ def _slots(full, plan):
     return out
 
 
-def _check_rank(plan, rank, cu, heads, groups, dim, seed, merge_gap=64, kernel=ReferenceKernel):
+def _check_rank(
+    plan, rank, cu, heads, groups, dim, seed, merge_gap=64, kernel=ReferenceKernel, tables=None
+):
     g = torch.Generator().manual_seed(seed)
     seq_len = plan.seq_len
     q_full = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
     kv_full = torch.randn(seq_len, groups, 2 * dim, generator=g, dtype=torch.float64)
     weight = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
-    runs = _runs(plan, rank, cu, merge_gap=merge_gap, longest_first=seed % 2 == 1)
+    runs = (
+        tables
+        if tables is not None
+        else (_runs(plan, rank, cu, merge_gap=merge_gap, longest_first=seed % 2 == 1))
+    )
     pos = plan.local_positions(rank)
     sequence = _sequence(seq_len, cu)
     owned = plan.owned_mask()
@@ -83,6 +90,24 @@ def _check_rank(plan, rank, cu, heads, groups, dim, seed, merge_gap=64, kernel=R
     return runs
 
 
+def _drawn_plan(seed, cp, seq_len, packed, unowned):
+    """A random plan (and cu_seqlens when ``packed``) from the test's drawn numbers."""
+    torch.manual_seed(seed)
+    cu = None
+    if packed:
+        cuts = sorted(torch.randint(0, seq_len + 1, (3,)).tolist())
+        cu = tuple([0] + cuts + [seq_len])
+    probs = torch.tensor([(1 - unowned) / cp] * cp + [unowned])
+    plan = _random_plan(
+        lambda n: torch.multinomial(probs, n, replacement=True) if n else torch.zeros(0).long(),
+        seq_len,
+        cp,
+        unowned,
+        cu,
+    )
+    return plan, cu
+
+
 def _random_plan(draw_ints, seq_len, cp, unowned, cu):
     """Every position to a random rank (or to nobody with probability ``unowned``), each rank's
     rows in a random order."""
@@ -107,19 +132,7 @@ def _random_plan(draw_ints, seq_len, cp, unowned, cu):
     merge_gap=st.sampled_from([1, 3, 64]),
 )
 def test_random_plans_match_the_oracle(seed, cp, seq_len, packed, unowned, gqa, merge_gap):
-    torch.manual_seed(seed)
-    cu = None
-    if packed:
-        cuts = sorted(torch.randint(0, seq_len + 1, (3,)).tolist())
-        cu = tuple([0] + cuts + [seq_len])
-    probs = torch.tensor([(1 - unowned) / cp] * cp + [unowned])
-    plan = _random_plan(
-        lambda n: torch.multinomial(probs, n, replacement=True) if n else torch.zeros(0).long(),
-        seq_len,
-        cp,
-        unowned,
-        cu,
-    )
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
     for rank in range(cp):
         _check_rank(plan, rank, cu, gqa[0], gqa[1], 4, seed + rank, merge_gap)
 
@@ -148,6 +161,56 @@ def test_named_plans_match_the_oracle(plan_kind):
     for rank in range(plan.cp_size):
         for kernel in (ReferenceKernel, SharedKeysReferenceKernel):
             _check_rank(plan, rank, cu, 4, 2, 8, rank, kernel=kernel)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 3),
+    seq_len=st.integers(1, 60),
+    packed=st.booleans(),
+    unowned=st.sampled_from([0.0, 0.2]),
+    group_rows=st.sampled_from([1, 2, 3, 5]),
+    span_budget=st.sampled_from([1, 7, 10**6]),
+    shared=st.booleans(),
+)
+def test_blocked_layout_matches_the_oracle(
+    seed, cp, seq_len, packed, unowned, group_rows, span_budget, shared
+):
+    """Groups, diagonal spans in several calls, the backward's levels and their fp32 sums, on
+    random plans (small groups make many levels)."""
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    kernel = SharedKeysReferenceKernel if shared else ReferenceKernel
+    for rank in range(cp):
+        if plan.counts[rank] == 0:
+            with pytest.raises(ValueError, match="owns no positions"):
+                AttentionBlocks.build(plan, rank, _sequence(seq_len, cu))
+            continue
+        blocks = AttentionBlocks.build(
+            plan, rank, _sequence(seq_len, cu), group_rows=group_rows, span_budget=span_budget
+        )
+        _check_rank(plan, rank, cu, 4, 2, 4, seed + rank, kernel=kernel, tables=blocks)
+
+
+def test_blocked_tables_and_the_layout_choice():
+    seq_len = 4096
+    # Rank 0: a random half of the positions, position 1 among them (rank 1 holds 0).
+    perm = torch.randperm(seq_len - 2) + 2
+    mine = torch.cat([torch.tensor([1]), perm[: seq_len // 2 - 1]])
+    theirs = torch.cat([torch.tensor([0]), perm[seq_len // 2 - 1 :]])
+    half = ContextParallelPlan.from_rank_positions([mine, theirs], seq_len)
+    seq = torch.zeros(seq_len, dtype=torch.int64)
+    blocks = AttentionBlocks.build(half, 0, seq)
+    assert blocks.groups == seq_len // 2 // 128 and len(blocks.diagonal) == 1
+    assert blocks.order is not None  # rows in random order: sorted through a gather
+    # 16 groups: the pieces j == i, then levels of 8, 4, 2 and 1 entries.
+    assert [c.entries for c in blocks.levels] == [16, 8, 4, 2, 1]
+    # Every level's entries share neither query rows nor keys.
+    for call in blocks.levels:
+        assert call.kv_source.unique().numel() == call.mat_rows
+    assert choose_layout(_runs(half, 0), blocks) == "blocks"
+    zig = ContextParallelPlan.zigzag(seq_len, 2)
+    assert choose_layout(_runs(zig, 0), AttentionBlocks.build(zig, 0, seq)) == "runs"
 
 
 def test_tables_of_the_report_layouts():

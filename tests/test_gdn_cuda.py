@@ -26,8 +26,17 @@ BF16_TOL = 3e-2
 
 
 def _world(rank, world_size):
+    import os
+
     import _megatron_cpu as mc
     import test_gdn as t
+
+    if os.environ.get("MCP_LIFT_FLA_HOPPER_GUARD") == "1":
+        # fla refuses its gated backward on Hopper with Triton < 3.7.1 (its issue 640: wrong
+        # results there). Lifted only on request, to see whether this shape is affected.
+        import fla.ops.common.chunk_o as chunk_o
+
+        chunk_o.TRITON_ABOVE_3_7_1 = True
 
     mc.init_parallel(1, world_size)
     failures = []

@@ -3,9 +3,11 @@
 One cuDNN graph runs every entry of an ``AttentionRuns`` batch: queries, keys and values are
 addressed per entry by ragged offsets (element offsets of each entry's first row), entry
 lengths by ``seq_len_q`` / ``seq_len_kv`` with the padding mask, and the causal diagonal is
-aligned to each entry's bottom-right corner. Keys of several entries may overlap in the forward
-(they only read); the backward is given a key buffer whose entries do not overlap (the run
-tables copy them when needed), since it writes each entry's key gradients whole.
+aligned to each entry's bottom-right corner (``runs.causal``; else no mask). Keys of several
+entries may overlap: the forward only reads them, and the backward reads them in place and
+writes each entry's key gradients to its own rows (``runs.mat_start``). The backward takes the
+output and log-sum-exp it is given, so a call over part of a row's keys, given the final ones,
+yields that part's share of the gradients.
 
 Shapes (``H`` query heads, ``G`` key/value heads, ``d`` head dim; GQA is native, no repeat):
 
@@ -166,13 +168,11 @@ def _start_graph(handle, dtype, runs, heads, groups, dim):
         intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT,
     )  # fmt: skip
     len_q, len_kv = _lengths(g, b)
-    mask = dict(
-        use_padding_mask=True,
-        seq_len_q=len_q,
-        seq_len_kv=len_kv,
-        diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
-        diagonal_band_right_bound=0,
-    )
+    mask = dict(use_padding_mask=True, seq_len_q=len_q, seq_len_kv=len_kv)
+    if runs.causal:
+        mask.update(
+            diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0
+        )
     q = _rows(g, "q", _Q, b, heads, sq, dim, q_tok, dim, io, _ragged(g, "off_q", _OFF_Q, b))
     k = _rows(g, "k", _K, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_k", _OFF_K, b))
     v = _rows(g, "v", _V, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_v", _OFF_V, b))
@@ -252,7 +252,7 @@ def forward(
         zeros = torch.zeros((tq, heads), dtype=torch.float32, device=q.device)
         return torch.zeros_like(q), (zeros if want_stats else None)
     key = ("fwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
-           want_stats, q.device)  # fmt: skip
+           want_stats, runs.causal, q.device)  # fmt: skip
     handle = _handle(q.device)
     g, ws = _graph(
         key,
@@ -302,7 +302,7 @@ def backward(
     if not runs.entries:
         return torch.zeros_like(q), kv.new_zeros(out_shape)
     key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
-           deterministic, q.device)  # fmt: skip
+           deterministic, runs.causal, q.device)  # fmt: skip
     handle = _handle(q.device)
     # The row totals only size the backward's accumulators: a graph built for larger totals
     # serves this batch, so batches of new lengths reuse the graphs they fit.
@@ -325,7 +325,9 @@ def backward(
     kv_tok = groups * 2 * dim
     q_off = dev.offsets("q_rows", heads * dim)
     out_off = dev.offsets("mat_rows", kv_tok)
-    in_off = dev.offsets("kv_rows" if kv.shape[0] != runs.mat_rows else "mat_rows", kv_tok)
+    # Keys are read where the forward read them unless the caller passed per-entry copies.
+    copies = runs.materialize and not shared_keys_in_backward
+    in_off = dev.offsets("mat_rows" if copies else "kv_rows", kv_tok)
     buffers = [q, kv, kv[..., dim:], o, do, padded, dq, dkv, dkv[..., dim:]]
     uids = [_Q, _K, _V, _O, _DO, _STATS, _DQ, _DK, _DV]
     buffers += [

@@ -57,6 +57,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch import Tensor
 
+from megatron.context_parallel.attention_blocks import AttentionBlocks, build_attention_tables
 from megatron.context_parallel.attention_runs import AttentionRuns
 from megatron.context_parallel.fused_attention import fused_attention, select_backend
 from megatron.context_parallel.mappings import gather_padded_from_context_parallel_region
@@ -281,12 +282,13 @@ class ContextParallelParams(PackedSeqParams):
         return value
 
     @property
-    def runs(self) -> AttentionRuns:
-        """This rank's run tables for the fused attention (built on first use per batch, on the
-        host, and shared by every layer; see ``attention_runs``)."""
+    def runs(self) -> Union[AttentionRuns, AttentionBlocks]:
+        """This rank's tables for the fused attention: run tables, or blocked ones for plans
+        that scatter the rank's rows (built on first use per batch, on the host, and shared by
+        every layer; see ``attention_runs`` and ``attention_blocks``)."""
         return self.per_batch(
             "attention_runs",
-            lambda: AttentionRuns.build(
+            lambda: build_attention_tables(
                 self.plan, self.rank, self.source_sequence, padding_rows=self.padding_rows
             ),
         )
@@ -473,7 +475,9 @@ class ContextParallelAttention(MegatronModule):
         head_dim = self.hidden_size_per_attention_head
         return select_backend(query, head_dim, query.shape[1], dropout)
 
-    def _fused(self, query: Tensor, kv_slots: Tensor, runs: AttentionRuns) -> Tensor:
+    def _fused(
+        self, query: Tensor, kv_slots: Tensor, runs: Union[AttentionRuns, AttentionBlocks]
+    ) -> Tensor:
         """The fused path: the run tables' kernel over the gathered slots (b == 1 here)."""
         sq = query.shape[0]
         context = fused_attention(

@@ -64,6 +64,43 @@ def _bucket(n: int, per_octave: int = 1) -> int:
     return -(-int(n) // step) * step
 
 
+def _run_starts(values: torch.Tensor) -> torch.Tensor:
+    """For non-decreasing ``values``, the index of the first element equal to each element
+    (``searchsorted(values, values)``, in one linear pass)."""
+    n = values.numel()
+    index = torch.arange(n)
+    new = torch.ones(n, dtype=torch.bool)
+    new[1:] = values[1:] != values[:-1]
+    return torch.cummax(torch.where(new, index, 0), 0).values
+
+
+def _run_ends(values: torch.Tensor) -> torch.Tensor:
+    """For non-decreasing ``values``, one past the last element equal to each element
+    (``searchsorted(values, values, right=True)``)."""
+    n = values.numel()
+    return n - _run_starts(values.flip(0)).flip(0)
+
+
+def _ascending_order(values: torch.Tensor) -> torch.Tensor:
+    """A stable argsort, skipped (one comparison pass) when ``values`` is sorted already."""
+    if values.numel() < 2 or bool((values[1:] >= values[:-1]).all()):
+        return torch.arange(values.numel())
+    return torch.argsort(values, stable=True)
+
+
+def _kernel_sizes(q_len, kv_len, query_rows: int, mat_rows: int, shape_buckets: int) -> dict:
+    """The bucketed sizes a kernel plan is keyed by (see ``AttentionRuns``)."""
+    entries = int(q_len.numel())
+    return dict(
+        batch=_bucket(entries),
+        max_q=_bucket(int(q_len.max()) if entries else 1, shape_buckets),
+        max_kv=_bucket(int(kv_len.max()) if entries else 1, shape_buckets),
+        # cuDNN sizes its dQ accumulator by these totals in multiples of 64 rows.
+        total_q=-(-_bucket(query_rows, per_octave=8) // 64) * 64,
+        total_mat=-(-_bucket(mat_rows, per_octave=8) // 64) * 64,
+    )
+
+
 @dataclass
 class DeviceRuns:
     """The device copies of one ``AttentionRuns`` (built by ``AttentionRuns.on``).
@@ -103,7 +140,20 @@ class DeviceRuns:
         return out
 
 
-class AttentionRuns:
+class ReadOnlyTables:
+    """Host tables set once at construction (keyword arguments), then read-only; device copies
+    are cached per device in ``_device``."""
+
+    def __init__(self, **values):
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_device", {})
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is read-only (cannot set {name!r})")
+
+
+class AttentionRuns(ReadOnlyTables):
     """One rank's causal attention under a plan, as entries of a bottom-right causal batch.
 
     Build with ``AttentionRuns.build``; read-only afterwards. All host tensors are int64 CPU.
@@ -133,18 +183,13 @@ class AttentionRuns:
             the backward buffer rows are the slots themselves.
         keys_covered: without copies, every compact key is attended by some entry (else the
             key gradient starts at zero rather than being written whole by the kernel).
-        rows_covered: every query-buffer row belongs to an entry.
+        rows_covered: every query-buffer row belongs to an entry, or is never read (so the
+            kernel need not zero the rows outside the entries).
         batch, max_q, max_kv, total_q, total_mat: the sizes a kernel plan is keyed by, bucketed
             (``_bucket``) so that batches of new lengths reuse plans.
+        causal: the entries are bottom-right causal blocks (``from_entries`` also makes
+            unmasked ones).
     """
-
-    def __init__(self, **values):
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "_device", {})
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"AttentionRuns is read-only (cannot set {name!r})")
 
     @classmethod
     def build(
@@ -182,14 +227,14 @@ class AttentionRuns:
         compact_of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
         sequence_of_key = sequence[owned]
         # Compact index of the first key of each key's sequence (sequences are contiguous).
-        key_sequence_start = torch.searchsorted(sequence_of_key, sequence_of_key)
+        key_sequence_start = _run_starts(sequence_of_key)
 
         positions = plan.local_positions(rank)
         n = int(positions.numel())
         compact = compact_of_position[positions]
         seq = sequence[positions]
 
-        order = torch.argsort(compact, stable=True)
+        order = _ascending_order(compact)
         sorted_compact, sorted_seq = compact[order], seq[order]
         gaps = sorted_compact[1:] - sorted_compact[:-1]
         new_span = (gaps > max(int(merge_gap), 1)) | (sorted_seq[1:] != sorted_seq[:-1])
@@ -254,9 +299,9 @@ class AttentionRuns:
         # slot_copies names the backward buffer row of copy j (-1: none), one row per copy count.
         slots = plan.cp_size * plan.max_count
         key_of_row = kv_source if materialize else torch.arange(num_keys)
-        by_key = torch.argsort(key_of_row, stable=True)
+        by_key = _ascending_order(key_of_row)
         sorted_keys = key_of_row[by_key]
-        copy = torch.arange(sorted_keys.numel()) - torch.searchsorted(sorted_keys, sorted_keys)
+        copy = torch.arange(sorted_keys.numel()) - _run_starts(sorted_keys)
         copies = int(copy.max()) + 1 if copy.numel() else 1
         slot_copies = torch.full((copies, slots), -1, dtype=torch.int64)
         slot_copies[copy, compact_slots[sorted_keys]] = by_key
@@ -266,7 +311,7 @@ class AttentionRuns:
         # entry, so its gradient row must start at zero instead of being written.
         keys_covered = False
         if entries and not materialize:
-            seq_end = torch.searchsorted(sequence_of_key, sequence_of_key, right=True)
+            seq_end = _run_ends(sequence_of_key)
             ends = torch.zeros(num_keys, dtype=torch.int64)
             ends[k_start] = k_start + kv_len
             keys_covered = bool(torch.equal(torch.cummax(ends, 0).values, seq_end))
@@ -293,12 +338,81 @@ class AttentionRuns:
             slot_copies=None if slots_are_rows else slot_copies,
             keys_covered=bool(keys_covered),
             rows_covered=padding_rows == 0,
-            batch=_bucket(entries),
-            max_q=_bucket(int(q_len.max()) if entries else 1, shape_buckets),
-            max_kv=_bucket(int(kv_len.max()) if entries else 1, shape_buckets),
-            # cuDNN sizes its dQ accumulator by these totals in multiples of 64 rows.
-            total_q=-(-_bucket(query_rows, per_octave=8) // 64) * 64,
-            total_mat=-(-_bucket(mat_rows, per_octave=8) // 64) * 64,
+            **_kernel_sizes(q_len, kv_len, query_rows, mat_rows, shape_buckets),
+            causal=True,
+        )
+
+    @classmethod
+    def from_entries(
+        cls,
+        q_start: torch.Tensor,
+        q_len: torch.Tensor,
+        k_start: torch.Tensor,
+        kv_len: torch.Tensor,
+        *,
+        query_rows: int,
+        num_keys: int,
+        causal: bool,
+        span_source: Optional[torch.Tensor] = None,
+        local_to_span: Optional[torch.Tensor] = None,
+        rows_covered: bool = True,
+        backward: bool = True,
+        shape_buckets: int = 16,
+    ) -> "AttentionRuns":
+        """One kernel call of entries given directly (the blocked layout's calls).
+
+        Entries must not share query rows; their keys may overlap. The backward writes each
+        entry's key gradients to its own rows (``materialize``: packed in entry order,
+        ``kv_source`` naming the compact key of each), so the caller adds them where they
+        belong. Entries are run longest first.
+
+        Args:
+            q_start, q_len, k_start, kv_len: int64 ``[B]`` per entry (no empty entries).
+            query_rows: rows of the query buffer the call reads.
+            num_keys: compact keys ``N`` (``k_start + kv_len <= N``).
+            causal: bottom-right causal entries, else unmasked.
+            span_source, local_to_span: carried for the caller (see ``AttentionRuns``).
+            rows_covered: the caller never reads query rows outside the entries (else the
+                kernel zeroes their output).
+            backward: the call also runs backward (else no key-gradient rows are laid out:
+                a forward-only call may hold overlapping keys of any total length).
+        """
+        entries = int(q_len.numel())
+        if entries > 1:
+            first = torch.argsort(kv_len, descending=True, stable=True)
+            q_start, q_len, k_start, kv_len = (t[first] for t in (q_start, q_len, k_start, kv_len))
+        if backward:
+            mat_start = torch.cumsum(kv_len, 0) - kv_len
+            mat_rows = int(kv_len.sum())
+            shift = torch.repeat_interleave(mat_start - k_start, kv_len)
+            kv_source = torch.arange(mat_rows) - shift
+        else:
+            mat_start, mat_rows, kv_source = k_start, num_keys, None
+        return cls(
+            plan=None,
+            rank=None,
+            rows=query_rows,
+            num_keys=num_keys,
+            entries=entries,
+            q_start=q_start,
+            q_len=q_len,
+            k_start=k_start,
+            kv_len=kv_len,
+            mat_start=mat_start,
+            identity=span_source is None,
+            span_source=span_source,
+            local_to_span=local_to_span,
+            query_rows=query_rows,
+            materialize=backward,
+            kv_source=kv_source,
+            mat_rows=mat_rows,
+            compact_slots=None,
+            slots=None,
+            slot_copies=None,
+            keys_covered=True,
+            rows_covered=bool(rows_covered),
+            **_kernel_sizes(q_len, kv_len, query_rows, mat_rows, shape_buckets),
+            causal=bool(causal),
         )
 
     def on(self, device: torch.device) -> DeviceRuns:

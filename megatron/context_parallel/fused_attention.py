@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from megatron.context_parallel import _attention_cudnn, ops
+from megatron.context_parallel.attention_blocks import AttentionBlocks
 from megatron.context_parallel.attention_runs import AttentionRuns
 
 __all__ = [
@@ -151,10 +152,104 @@ class _FusedAttention(torch.autograd.Function):
         return dquery, _slot_gradients(dkeys, runs, dev), None, None, None, None
 
 
+def _merge(o_b, lse_b, o_d, lse_d, rows_per_chunk: int = 4096):
+    """Softmax over the union of two disjoint key sets from each one's output and log-sum-exp:
+    ``(o [n, H, d], lse [n, H])``; math in the statistics' dtype (fp32, or float64 for
+    float64 inputs), in row chunks (bounded temporaries)."""
+    o = torch.empty_like(o_d)
+    lse = torch.logaddexp(lse_b, lse_d)
+    acc = lse.dtype
+    for a in range(0, o.shape[0], rows_per_chunk):
+        b = min(a + rows_per_chunk, o.shape[0])
+        w_b = (lse_b[a:b] - lse[a:b]).exp().unsqueeze(-1)
+        w_d = (lse_d[a:b] - lse[a:b]).exp().unsqueeze(-1)
+        o[a:b] = torch.addcmul(o_d[a:b].to(acc) * w_d, o_b[a:b].to(acc), w_b)
+    return o, lse
+
+
+def _keys_for(call, kv, kernel):
+    """The key buffer a kernel's backward reads for ``call`` (per-entry copies unless it reads
+    overlapping ranges of the compact keys in place)."""
+    if getattr(kernel, "shared_keys_in_backward", False):
+        return kv
+    return ops.gather_rows(kv, call.on(kv.device).kv_source)
+
+
+class _BlockedAttention(torch.autograd.Function):
+    """query ``[rows, H, d]``, all-gather slots ``[slots, G, 2d]`` -> context ``[rows, H, d]``
+    through the blocked layout (``attention_blocks``).
+
+    Backward: every call differentiated against the final output and log-sum-exp; query and key
+    gradients added in fp32 by the rows / keys each call touched; padding slots zero.
+    """
+
+    @staticmethod
+    def forward(ctx, query, kv_slots, blocks: AttentionBlocks, kernel, scale, deterministic):
+        dev = blocks.on(query.device)
+        q = query.contiguous() if dev.order is None else ops.gather_rows(query, dev.order)
+        if dev.compact_slots is None:
+            kv = kv_slots.contiguous()
+        else:
+            kv = ops.gather_rows(kv_slots, dev.compact_slots)
+        n, heads, _ = q.shape
+        lse_d = q.new_empty((n, heads), dtype=torch.promote_types(q.dtype, torch.float32))
+        o_d = torch.empty_like(q)
+        for call, first, end in blocks.diagonal:
+            cd = call.on(q.device)
+            o_span, lse_span = kernel.forward(
+                ops.gather_rows(q, cd.span_source), kv, call, cd, scale, True
+            )
+            o_d[first:end] = ops.gather_rows(o_span, cd.local_to_span)
+            lse_d[first:end] = ops.gather_rows(lse_span, cd.local_to_span)
+        if blocks.bulk is None:
+            o, lse = o_d, lse_d
+        else:
+            o_b, lse_b = kernel.forward(q, kv, blocks.bulk, blocks.bulk.on(q.device), scale, True)
+            if dev.has_bulk is not None:
+                lse_b = lse_b.masked_fill(~dev.has_bulk, float("-inf"))
+            o, lse = _merge(o_b, lse_b, o_d, lse_d)
+        ctx.blocks, ctx.kernel, ctx.scale, ctx.deterministic = blocks, kernel, scale, deterministic
+        if any(ctx.needs_input_grad[:2]):
+            ctx.save_for_backward(q, kv, o, lse)
+        return o if dev.order is None else ops.gather_rows(o, dev.local_to_sorted)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, o, lse = ctx.saved_tensors
+        blocks, kernel = ctx.blocks, ctx.kernel
+        dev = blocks.on(q.device)
+        grad_out = grad_out.contiguous()
+        do = grad_out if dev.order is None else ops.gather_rows(grad_out, dev.order)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        args = (ctx.scale, ctx.deterministic)
+        for call, first, end in blocks.diagonal:
+            cd = call.on(q.device)
+            span = [ops.gather_rows(t, cd.span_source) for t in (q, o, do, lse)]
+            dq_span, dkv_call = kernel.backward(
+                span[0], _keys_for(call, kv, kernel), span[1], span[2], span[3], call, cd, *args
+            )
+            dq[first:end] += ops.gather_rows(dq_span, cd.local_to_span)
+            dkv.index_add_(0, cd.kv_source, dkv_call.to(acc))
+        for call, rows in zip(blocks.levels, dev.touched):
+            cd = call.on(q.device)
+            dq_call, dkv_call = kernel.backward(
+                q, _keys_for(call, kv, kernel), o, do, lse, call, cd, *args
+            )
+            dq.index_add_(0, rows, dq_call.index_select(0, rows).to(acc))
+            dkv.index_add_(0, cd.kv_source, dkv_call.to(acc))
+        dq = dq.to(q.dtype)
+        dquery = dq if dev.order is None else ops.gather_rows(dq, dev.local_to_sorted)
+        dkv = dkv.to(kv.dtype)
+        dslots = dkv if dev.slot_rows is None else ops.gather_rows(dkv, dev.slot_rows)
+        return dquery, dslots, None, None, None, None
+
+
 def fused_attention(
     query: torch.Tensor,
     kv_slots: torch.Tensor,
-    runs: AttentionRuns,
+    runs,
     scale: float,
     *,
     kernel=None,
@@ -167,7 +262,7 @@ def fused_attention(
         kv_slots: ``[slots, G, 2d]``, keys then values of the padded all-gather over CP
             (``runs.slots`` rows: rank r's row i at ``r * max_count + i``), the same dtype;
             ``H`` must be a multiple of ``G``.
-        runs: the batch's run tables for this rank.
+        runs: the batch's tables for this rank: ``AttentionRuns`` or ``AttentionBlocks``.
         scale: softmax scale.
         kernel: the varlen kernel (default: cuDNN).
         deterministic: ask the kernel for a deterministic backward.
@@ -181,7 +276,8 @@ def fused_attention(
             f"fused attention got {query.shape[0]} query rows and {kv_slots.shape[0]} key "
             f"slots, but the run tables are for {runs.rows} and {runs.slots}"
         )
-    return _FusedAttention.apply(
+    function = _BlockedAttention if isinstance(runs, AttentionBlocks) else _FusedAttention
+    return function.apply(
         query,
         kv_slots,
         runs,

@@ -1,0 +1,344 @@
+"""Block tables: one rank's causal attention for plans that scatter its rows among other ranks'.
+
+A plan that gives a rank single positions here and there (a random half of a sequence) has
+almost as many runs as rows; as bottom-right causal entries (``attention_runs``) each run fills
+a whole query tile, and merged into spans its dummy rows attend whole prefixes. Here the rank's
+rows are taken in compact key order (``sorted``) and cut into *groups* of up to
+``group_rows`` consecutive rows of one sequence. Group ``g``, whose rows lie between compact
+keys ``lo_g`` and ``hi_g`` of a sequence starting at ``s``, attends
+
+* its *bulk*, keys ``[s, lo_g)``, unmasked: every row of the group sees all of them, and
+* its *diagonal*, keys ``[lo_g, hi_g]``, causally: as a span of every compact key in that range
+  (rows of other ranks run as dummy queries, as spans do in the run tables), a square causal
+  block. A span is ``group_rows`` rows over the rank's share of the sequence wide, so the
+  dummies cost a few percent of the bulk.
+
+Forward: one call of every group's bulk (groups share key prefixes, which the forward only
+reads) and calls of diagonal spans (at most ``span_budget`` span rows each, bounding the span
+buffers); the two partial results merge by their log-sum-exp.
+
+Backward: every piece is differentiated against the *final* output and log-sum-exp, so pieces
+add. The kernel writes each entry's key gradients whole, so one call must not hold two entries
+with the same keys; the bulk's shared prefixes are therefore re-cut. With ``e_0 = s`` and
+``e_{i+1} = lo_i`` for the groups ``i = 0, 1, ...`` of a sequence, group ``i``'s bulk is the
+key pieces ``[e_j, e_{j+1})``, ``j <= i``. The pairs ``j == i`` make one call; the pairs
+``j < i`` split by the highest bit ``L`` where ``i`` and ``j`` differ: at level ``L`` the
+groups with bit ``L`` set in a block of ``2^(L+1)`` attend, as one entry, the keys of the
+block's first ``2^L`` pieces. Within a level entries share neither rows nor keys, each group
+meets each of its pieces exactly once, and ``log2(groups)`` levels cover the bulk. Each call's
+query and key gradients are added into fp32 accumulators by the rows and keys it touched.
+
+Everything is built once per batch on the host; ``on(device)`` copies it once per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron.context_parallel.attention_runs import (
+    AttentionRuns,
+    ReadOnlyTables,
+    _ascending_order,
+    _run_starts,
+)
+from megatron.context_parallel.plan import ContextParallelPlan
+
+__all__ = ["AttentionBlocks", "DeviceBlocks", "build_attention_tables", "choose_layout"]
+
+DEFAULT_GROUP_ROWS = 128  # a query tile of the kernel: the bulk entries fill whole tiles
+DEFAULT_SPAN_BUDGET = 16384  # span rows per diagonal call (span buffers of ~160 MiB at 40 x 128)
+
+
+@dataclass
+class DeviceBlocks:
+    """The device tables of one ``AttentionBlocks`` (built by ``AttentionBlocks.on``).
+
+    Attributes:
+        order: int64 ``[n]``, the local row of each sorted row (None when the local rows are
+            sorted already).
+        local_to_sorted: int64 ``[n]``, the sorted row of each local row (None likewise).
+        has_bulk: bool ``[n, 1]``, whether a sorted row's group has bulk keys (None: all have).
+        slot_rows: int64 ``[slots]``, the compact key of each all-gather slot or -1 (None when
+            the slots are the compact keys).
+        compact_slots: int64 ``[N]``, the all-gather slot of each compact key (None likewise).
+        touched: per backward level call, int64 sorted rows of its entries.
+    """
+
+    order: Optional[torch.Tensor]
+    local_to_sorted: Optional[torch.Tensor]
+    has_bulk: Optional[torch.Tensor]
+    slot_rows: Optional[torch.Tensor]
+    compact_slots: Optional[torch.Tensor]
+    touched: List[torch.Tensor]
+
+
+class AttentionBlocks(ReadOnlyTables):
+    """One rank's causal attention under a plan, in the blocked layout (see the module doc).
+
+    Build with ``AttentionBlocks.build``; read-only afterwards. Host tensors are int64 CPU.
+
+    Attributes:
+        rows: the rank's query rows (at least one; empty ranks take the run tables).
+        num_keys: ``N``, the compact keys.
+        slots: rows of the padded all-gather (``cp_size * max_count``).
+        groups: the number of groups.
+        order, local_to_sorted, slot_rows, compact_slots: host copies of ``DeviceBlocks``'s
+            tables (None as there).
+        bulk: the forward call of every group's bulk (``AttentionRuns.from_entries``, unmasked;
+            None when no group has bulk keys).
+        has_bulk: bool ``[n]`` per sorted row (None when every group has bulk keys).
+        diagonal: the diagonal calls, causal; each with ``span_source`` (the sorted row of each
+            span row, -1 for a dummy) and ``local_to_span`` (the span row of each of its sorted
+            rows), and ``first_row`` / ``end_row``: the sorted rows it holds, ``[first, end)``.
+        levels: the backward's bulk calls (unmasked), pieces ``j == i`` first.
+        touched: per level call, int64 sorted rows of its entries.
+    """
+
+    @classmethod
+    def build(
+        cls,
+        plan: ContextParallelPlan,
+        rank: int,
+        sequence: torch.Tensor,
+        *,
+        group_rows: int = DEFAULT_GROUP_ROWS,
+        span_budget: int = DEFAULT_SPAN_BUDGET,
+        shape_buckets: int = 16,
+    ) -> "AttentionBlocks":
+        """The blocked tables of rank ``rank``'s rows of ``plan`` (host only).
+
+        Args:
+            plan: the batch's plan; the rank must own at least one position.
+            rank: this rank's index in the plan.
+            sequence: int64 ``[seq_len]`` (CPU), the packed sequence of each source position.
+            group_rows: sorted rows per group (a multiple of the kernel's query tile).
+            span_budget: span rows per diagonal call (a call holds at least one group).
+            shape_buckets: as in ``AttentionRuns.build``.
+        """
+        keys = _CompactKeys(plan, sequence)
+        positions = plan.local_positions(rank)
+        n = int(positions.numel())
+        if n == 0:
+            raise ValueError(f"rank {rank} owns no positions; the blocked layout needs rows")
+        compact = keys.of_position[positions]
+        order = _ascending_order(compact)
+        sorted_compact = compact[order]
+        seq_start = keys.sequence_start[sorted_compact]
+        first, length, lo, hi, start, index, size = _groups(sorted_compact, seq_start, group_rows)
+        sorted_of_key = torch.full((keys.count,), -1, dtype=torch.int64)
+        sorted_of_key[sorted_compact] = torch.arange(n)
+
+        def call(q_start, q_len, k_start, kv_len, causal, **extra):
+            return AttentionRuns.from_entries(
+                q_start, q_len, k_start, kv_len, query_rows=extra.pop("query_rows", n),
+                num_keys=keys.count, causal=causal, shape_buckets=shape_buckets, **extra,
+            )  # fmt: skip
+
+        with_bulk = lo > start
+        bulk = None
+        has_bulk = None
+        if not bool(with_bulk.all()):
+            has_bulk = torch.repeat_interleave(with_bulk, length)
+        if bool(with_bulk.any()):
+            w = with_bulk
+            # Rows without bulk keys must read a zero output from the bulk call.
+            bulk = call(first[w], length[w], start[w], (lo - start)[w], False,
+                        rows_covered=has_bulk is None, backward=False)  # fmt: skip
+
+        diagonal = []
+        span = hi - lo + 1
+        g = 0
+        while g < first.numel():
+            # Groups g .. e - 1 (at least one) whose spans fit the budget together.
+            fit = torch.searchsorted(torch.cumsum(span[g:], 0), span_budget, right=True)
+            e = g + max(int(fit), 1)
+            s_len = span[g:e]
+            s_start = torch.cumsum(s_len, 0) - s_len
+            total = int(s_len.sum())
+            owner = torch.repeat_interleave(torch.arange(e - g), s_len)
+            span_key = torch.arange(total) - s_start[owner] + lo[g:e][owner]
+            rows = torch.arange(int(first[g]), int(first[e - 1] + length[e - 1]))
+            group_of_row = torch.repeat_interleave(torch.arange(e - g), length[g:e])
+            to_span = s_start[group_of_row] + sorted_compact[rows] - lo[g:e][group_of_row]
+            c = call(
+                s_start, s_len, lo[g:e], s_len, True, query_rows=total,
+                span_source=sorted_of_key[span_key], local_to_span=to_span,
+            )  # fmt: skip
+            diagonal.append((c, int(rows[0]), int(rows[-1]) + 1))
+            g = e
+
+        levels, touched = [], []
+        # Piece boundaries: e_j of each group's own sequence, as global arrays over groups.
+        piece_start = torch.where(index == 0, start, torch.roll(lo, 1))  # e_i of group i
+        piece_end = lo  # e_{i+1}
+        nonempty = piece_end > piece_start
+        if bool(nonempty.any()):
+            w = nonempty
+            piece_len = (piece_end - piece_start)[w]
+            levels.append(call(first[w], length[w], piece_start[w], piece_len, False))
+        level = 0
+        while (1 << level) < int(size.max()):
+            half = 1 << level
+            # A leader opens the right half of its block of 2^(level+1) groups.
+            leader = index % (2 * half) == half
+            gl = torch.nonzero(leader).flatten()
+            if gl.numel():
+                last = gl + torch.minimum(torch.full_like(gl, half), size[gl] - index[gl]) - 1
+                q_start = first[gl]
+                q_len = first[last] + length[last] - q_start
+                j0 = gl - half  # the block's first group (same sequence)
+                k_start = piece_start[j0]
+                kv_len = lo[gl - 1] - k_start
+                w = kv_len > 0
+                if bool(w.any()):
+                    levels.append(call(q_start[w], q_len[w], k_start[w], kv_len[w], False))
+            level += 1
+        for c in levels:
+            ends = torch.cumsum(c.q_len, 0)
+            shift = torch.repeat_interleave(c.q_start - (ends - c.q_len), c.q_len)
+            touched.append(torch.arange(int(ends[-1])) + shift)
+
+        slot_rows = compact_slots = None
+        if not plan.slots_in_source_order:
+            compact_slots = keys.slots
+            slot_rows = torch.full((plan.cp_size * plan.max_count,), -1, dtype=torch.int64)
+            slot_rows[keys.slots] = torch.arange(keys.count)
+        identity = bool(torch.equal(order, torch.arange(n)))
+        local_to_sorted = torch.empty(n, dtype=torch.int64)
+        local_to_sorted[order] = torch.arange(n)
+        return cls(
+            plan=plan,
+            rank=rank,
+            rows=n,
+            num_keys=keys.count,
+            slots=plan.cp_size * plan.max_count,
+            groups=int(first.numel()),
+            order=None if identity else order,
+            local_to_sorted=None if identity else local_to_sorted,
+            slot_rows=slot_rows,
+            compact_slots=compact_slots,
+            bulk=bulk,
+            has_bulk=has_bulk,
+            diagonal=diagonal,
+            levels=levels,
+            touched=touched,
+        )
+
+    def on(self, device: torch.device) -> DeviceBlocks:
+        """The device tables (first use per device; every call's own tables with them)."""
+        device = torch.device(device)
+        cached = self._device.get(device)
+        if cached is not None:
+            return cached
+        host = {
+            "order": self.order,
+            "local_to_sorted": self.local_to_sorted,
+            "has_bulk": None if self.has_bulk is None else self.has_bulk.to(torch.int64),
+            "slot_rows": self.slot_rows,
+            "compact_slots": self.compact_slots,
+        }
+        names = [k for k, v in host.items() if v is not None]
+        parts_host = [host[k] for k in names] + list(self.touched)
+        packed = torch.cat(parts_host or [torch.zeros(0, dtype=torch.int64)]).to(device)
+        parts = packed.split([t.numel() for t in parts_host])
+        moved = {k: None for k in host}
+        moved.update(zip(names, parts[: len(names)]))
+        if moved["has_bulk"] is not None:
+            moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
+        out = DeviceBlocks(touched=list(parts[len(names) :]), **moved)
+        for c in self.calls():
+            c.on(device)
+        self._device[device] = out
+        return out
+
+    def calls(self) -> List[AttentionRuns]:
+        """Every kernel call of the forward and backward."""
+        out = [self.bulk] if self.bulk is not None else []
+        return out + [c for c, _, _ in self.diagonal] + list(self.levels)
+
+    def describe(self) -> str:
+        """One line for messages and benchmarks."""
+        spans = sum(c.query_rows for c, _, _ in self.diagonal)
+        return (
+            f"{self.groups} groups of {self.rows} rows ({len(self.diagonal)} diagonal calls, "
+            f"{spans} span rows; {len(self.levels)} backward bulk calls) over {self.num_keys} keys"
+        )
+
+
+class _CompactKeys:
+    """The owned positions of a batch in source order (the compact keys) and their sequences."""
+
+    def __init__(self, plan: ContextParallelPlan, sequence: torch.Tensor):
+        source = plan.row_source("cpu")
+        owned = source >= 0
+        self.slots = source[owned]  # all-gather slot of each compact key
+        self.count = int(self.slots.numel())
+        self.of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
+        seq = sequence[owned]
+        self.sequence_start = _run_starts(seq)  # first compact key of its sequence
+
+
+def _groups(sorted_compact: torch.Tensor, seq_start: torch.Tensor, group_rows: int) -> Tuple:
+    """Groups of sorted rows: (first row, rows, lo, hi, sequence start, index in its sequence,
+    groups in its sequence), int64 ``[groups]`` each."""
+    n = sorted_compact.numel()
+    rows = torch.arange(n)
+    new_seq = torch.ones(n, dtype=torch.bool)
+    new_seq[1:] = seq_start[1:] != seq_start[:-1]
+    seq_first = torch.cummax(torch.where(new_seq, rows, 0), 0).values
+    in_seq = rows - seq_first
+    first = torch.nonzero(new_seq | (in_seq % group_rows == 0)).flatten()
+    length = torch.diff(first, append=torch.tensor([n]))
+    lo = sorted_compact[first]
+    hi = sorted_compact[first + length - 1]
+    start = seq_start[first]
+    index = in_seq[first] // group_rows
+    seq_of_group = torch.cumsum(new_seq[first].to(torch.int64), 0) - 1
+    size = torch.bincount(seq_of_group)[seq_of_group]
+    return first, length, lo, hi, start, index, size
+
+
+def _tile_cost(q_len: torch.Tensor, kv_len: torch.Tensor, causal: bool, tile: int = 128) -> float:
+    """Score elements a tiled kernel computes for entries: whole query tiles of ``tile`` rows,
+    a causal tile running to the key bound of its last row."""
+    tiles = -(-q_len // tile)
+    if not causal:
+        return float((tiles * tile * kv_len).sum())
+    entry = torch.repeat_interleave(torch.arange(q_len.numel()), tiles)
+    first_tile = torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
+    k = torch.arange(int(tiles.sum())) - first_tile
+    end = torch.minimum((k + 1) * tile, q_len[entry])
+    return float((tile * (kv_len[entry] - q_len[entry] + end)).sum())
+
+
+def choose_layout(runs: AttentionRuns, blocks: AttentionBlocks, margin: float = 1.15) -> str:
+    """``"runs"`` or ``"blocks"``: the blocked layout when the run tables' tiles would compute
+    over ``margin`` times its work (its merge and gradient sums cost a few percent)."""
+    runs_cost = _tile_cost(runs.q_len, runs.kv_len, True)
+    block_cost = 0.0
+    if blocks.bulk is not None:
+        block_cost += _tile_cost(blocks.bulk.q_len, blocks.bulk.kv_len, False)
+    for c, _, _ in blocks.diagonal:
+        block_cost += _tile_cost(c.q_len, c.kv_len, True)
+    return "blocks" if runs_cost > margin * block_cost else "runs"
+
+
+def build_attention_tables(
+    plan: ContextParallelPlan, rank: int, sequence: torch.Tensor, *, padding_rows: int = 0
+):
+    """This rank's tables for ``fused_attention``: the run tables, or the blocked ones where
+    ``choose_layout`` finds them cheaper (plans scattering the rank's rows)."""
+    runs = AttentionRuns.build(plan, rank, sequence, padding_rows=padding_rows)
+    if padding_rows or runs.rows == 0 or runs.entries == 0:
+        return runs
+    # Run tables within the margin of the rows' own causal work need no comparison.
+    keys = _CompactKeys(plan, sequence)
+    compact = keys.of_position[plan.local_positions(rank)]
+    work = float((compact - keys.sequence_start[compact] + 1).sum())
+    if _tile_cost(runs.q_len, runs.kv_len, True) <= 1.15 * work:
+        return runs
+    blocks = AttentionBlocks.build(plan, rank, sequence)
+    return blocks if choose_layout(runs, blocks) == "blocks" else runs
