@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.context_parallel import _attention_cudnn, ops
+from megatron.context_parallel import _attention_cudnn, _attention_sums, ops
 from megatron.context_parallel.attention_blocks import AttentionBlocks
 from megatron.context_parallel.attention_runs import AttentionRuns
 
@@ -152,21 +152,6 @@ class _FusedAttention(torch.autograd.Function):
         return dquery, _slot_gradients(dkeys, runs, dev), None, None, None, None
 
 
-def _merge(o_b, lse_b, o_d, lse_d, rows_per_chunk: int = 4096):
-    """Softmax over the union of two disjoint key sets from each one's output and log-sum-exp:
-    ``(o [n, H, d], lse [n, H])``; math in the statistics' dtype (fp32, or float64 for
-    float64 inputs), in row chunks (bounded temporaries)."""
-    o = torch.empty_like(o_d)
-    lse = torch.logaddexp(lse_b, lse_d)
-    acc = lse.dtype
-    for a in range(0, o.shape[0], rows_per_chunk):
-        b = min(a + rows_per_chunk, o.shape[0])
-        w_b = (lse_b[a:b] - lse[a:b]).exp().unsqueeze(-1)
-        w_d = (lse_d[a:b] - lse[a:b]).exp().unsqueeze(-1)
-        o[a:b] = torch.addcmul(o_d[a:b].to(acc) * w_d, o_b[a:b].to(acc), w_b)
-    return o, lse
-
-
 def _keys_for(call, kv, kernel):
     """The key buffer a kernel's backward reads for ``call`` (per-entry copies unless it reads
     overlapping ranges of the compact keys in place)."""
@@ -207,7 +192,7 @@ class _BlockedAttention(torch.autograd.Function):
             o_b, lse_b = kernel.forward(q, kv, blocks.bulk, blocks.bulk.on(q.device), scale, True)
             if dev.has_bulk is not None:
                 lse_b = lse_b.masked_fill(~dev.has_bulk, float("-inf"))
-            o, lse = _merge(o_b, lse_b, o_d, lse_d)
+            o, lse = _attention_sums.merge(o_b, lse_b, o_d, lse_d)
         ctx.blocks, ctx.kernel, ctx.scale, ctx.deterministic = blocks, kernel, scale, deterministic
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(q, kv, o, lse)
@@ -231,14 +216,14 @@ class _BlockedAttention(torch.autograd.Function):
                 span[0], _keys_for(call, kv, kernel), span[1], span[2], span[3], call, cd, *args
             )
             dq[first:end] += ops.gather_rows(dq_span, cd.local_to_span)
-            dkv.index_add_(0, cd.kv_source, dkv_call.to(acc))
+            _attention_sums.add_rows(dkv, cd.kv_source, dkv_call)
         for call, rows in zip(blocks.levels, dev.touched):
             cd = call.on(q.device)
             dq_call, dkv_call = kernel.backward(
                 q, _keys_for(call, kv, kernel), o, do, lse, call, cd, *args
             )
-            dq.index_add_(0, rows, dq_call.index_select(0, rows).to(acc))
-            dkv.index_add_(0, cd.kv_source, dkv_call.to(acc))
+            _attention_sums.add_rows(dq, rows, dq_call, rows)
+            _attention_sums.add_rows(dkv, cd.kv_source, dkv_call)
         dq = dq.to(q.dtype)
         dquery = dq if dev.order is None else ops.gather_rows(dq, dev.local_to_sorted)
         dkv = dkv.to(kv.dtype)
