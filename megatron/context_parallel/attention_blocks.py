@@ -43,13 +43,14 @@ from megatron.context_parallel.attention_runs import (
     ReadOnlyTables,
     _ascending_order,
     _run_starts,
+    to_device,
 )
 from megatron.context_parallel.plan import ContextParallelPlan
 
 __all__ = ["AttentionBlocks", "DeviceBlocks", "build_attention_tables", "choose_layout"]
 
 DEFAULT_GROUP_ROWS = 128  # a query tile of the kernel: the bulk entries fill whole tiles
-DEFAULT_SPAN_BUDGET = 16384  # span rows per diagonal call (span buffers of ~160 MiB at 40 x 128)
+DEFAULT_SPAN_BUDGET = 4096  # span rows per diagonal call: bounds its buffers and workspace
 
 
 @dataclass
@@ -240,17 +241,17 @@ class AttentionBlocks(ReadOnlyTables):
             "slot_rows": self.slot_rows,
             "compact_slots": self.compact_slots,
         }
-        names = [k for k, v in host.items() if v is not None]
-        parts_host = [host[k] for k in names] + list(self.touched)
-        packed = torch.cat(parts_host or [torch.zeros(0, dtype=torch.int64)]).to(device)
-        parts = packed.split([t.numel() for t in parts_host])
-        moved = {k: None for k in host}
-        moved.update(zip(names, parts[: len(names)]))
+        touched = {str(i): t for i, t in enumerate(self.touched)}
+        calls = self.calls()
+        # One host-to-device copy for the blocks' tables and every call's.
+        moved, moved_touched, *per_call = to_device(
+            [host, touched] + [c._host_tables() for c in calls], device
+        )
+        for call, parts in zip(calls, per_call):
+            call._adopt(device, parts)
         if moved["has_bulk"] is not None:
             moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
-        out = DeviceBlocks(touched=list(parts[len(names) :]), **moved)
-        for c in self.calls():
-            c.on(device)
+        out = DeviceBlocks(touched=[moved_touched[str(i)] for i in range(len(touched))], **moved)
         self._device[device] = out
         return out
 

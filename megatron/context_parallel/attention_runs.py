@@ -88,6 +88,18 @@ def _ascending_order(values: torch.Tensor) -> torch.Tensor:
     return torch.argsort(values, stable=True)
 
 
+def to_device(tables, device: torch.device) -> list:
+    """Dicts of int64 host tensors (or None) on ``device`` in one host-to-device copy (each
+    copy from pageable memory waits for the stream): the same dicts, device tensors."""
+    names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
+    flat = [tables[i][k].reshape(-1) for i, k in names]
+    packed = torch.cat(flat or [torch.zeros(0, dtype=torch.int64)]).to(device)
+    out = [{k: None for k in t} for t in tables]
+    for (i, k), part in zip(names, packed.split([t.numel() for t in flat])):
+        out[i][k] = part.view(tables[i][k].shape)
+    return out
+
+
 def _kernel_sizes(q_len, kv_len, query_rows: int, mat_rows: int, shape_buckets: int) -> dict:
     """The bucketed sizes a kernel plan is keyed by (see ``AttentionRuns``)."""
     entries = int(q_len.numel())
@@ -421,8 +433,11 @@ class AttentionRuns(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
+        return self._adopt(device, to_device([self._host_tables()], device)[0])
+
+    def _host_tables(self) -> Dict[str, Optional[torch.Tensor]]:
+        """The int64 host tables ``on`` copies (None: absent)."""
         pad = self.batch - self.entries
-        empty = torch.zeros(0, dtype=torch.int64)
 
         def starts(values: torch.Tensor, total: int) -> torch.Tensor:
             # Padding entries (and the closing offset) point past the last row.
@@ -444,18 +459,17 @@ class AttentionRuns(ReadOnlyTables):
             "local_to_span": self.local_to_span,
             "kv_source": self.kv_source,
             "compact_slots": self.compact_slots,
-            "slot_copies": None if self.slot_copies is None else self.slot_copies.flatten(),
+            "slot_copies": self.slot_copies,
             "stats_index": stats_index.flatten(),
         }
-        # One host-to-device copy for every table (each copy from pageable memory waits).
-        names = [name for name, value in host.items() if value is not None]
-        packed = torch.cat([host[name] for name in names] or [empty]).to(device)
-        parts = dict(zip(names, packed.split([host[name].numel() for name in names])))
+        return host
+
+    def _adopt(self, device: torch.device, parts: Dict[str, Optional[torch.Tensor]]):
+        """Caches and returns the ``DeviceRuns`` of tables already on ``device``."""
+        parts = dict(parts)
         for name in ("seq_len_q", "seq_len_kv"):
             parts[name] = parts[name].to(torch.int32).reshape(-1, 1, 1, 1)
-        if self.slot_copies is not None:
-            parts["slot_copies"] = parts["slot_copies"].view(self.slot_copies.shape)
-        moved = DeviceRuns(**{name: parts.get(name) for name in host})
+        moved = DeviceRuns(**parts)
         self._device[device] = moved
         return moved
 
