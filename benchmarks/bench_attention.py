@@ -55,6 +55,7 @@ from megatron.context_parallel.fused_attention import fused_attention  # noqa: E
 
 HEADS, GROUPS, DIM = 40, 8, 128
 GiB = float(1 << 30)
+_DEFAULT_BUDGET = _attention_cudnn.backward_workspace_budget
 # (label, AttentionRuns.build keywords, shared keys in the backward) for --variants.
 VARIANTS = (
     ("fine", {"shape_buckets": 16}, True),
@@ -62,6 +63,8 @@ VARIANTS = (
     ("fine+longest", {"shape_buckets": 16, "longest_first": True}, True),
     ("copies", {}, False),
 )
+# The backward in one run of all heads (no workspace budget), for --one-run.
+ONE_RUN = ("one-run", {}, True, None)
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 
 
@@ -213,9 +216,10 @@ class Case:
             torch.cuda.synchronize()
             self.build_ms = (time.perf_counter() - t0) * 1e3
 
-    def ours(self, backward, shared=True):
+    def ours(self, backward, shared=True, budget=_DEFAULT_BUDGET):
         # The library's default reads shared key ranges; the "copies" variant turns it off.
         _attention_cudnn.shared_keys_in_backward = shared
+        _attention_cudnn.backward_workspace_budget = budget
         q = self.query.detach().requires_grad_(backward)
         kv = self.kv_slots.detach().requires_grad_(backward)
         out = fused_attention(q, kv, self.runs, DIM**-0.5)
@@ -300,10 +304,11 @@ def bench_case(
         # The layout the choice did not take, timed beside it.
         other = "runs" if isinstance(case.runs, AttentionBlocks) else "blocks"
         variants = tuple(variants) + ((other, {"layout": other}, True),)
-    for label, build, shared in variants:
+    for label, build, shared, *budget in variants:
         other = Case(plan, rank, cu, device, **build)
-        fns[f"{label} fwd"] = lambda c=other, sh=shared: c.ours(False, sh)
-        fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared: c.ours(True, sh)
+        b = budget[0] if budget else _DEFAULT_BUDGET
+        fns[f"{label} fwd"] = lambda c=other, sh=shared, b=b: c.ours(False, sh, b)
+        fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared, b=b: c.ours(True, sh, b)
     t = time_round_robin(fns, device, reps, 1)
     n = case.query.shape[0]
     row_bytes = HEADS * DIM * 2
@@ -332,7 +337,9 @@ def bench_case(
         "tables ms": case.build_ms,
         "tables % of fwd+bwd": 100 * case.build_ms / t["ours fwd+bwd"],
     }
-    for label, _, _ in variants:
+    if any(v[0] == "one-run" for v in variants):
+        row["one-run extra GiB fwd+bwd"] = extra_peak(lambda: case.ours(True, True, None), kept_b)
+    for label, *_ in variants:
         row[f"{label} fwd x"] = t[f"{label} fwd"] / floor_f
         row[f"{label} fwd+bwd x"] = t[f"{label} fwd+bwd"] / floor_b
     if "flex fwd" in t:
@@ -499,6 +506,11 @@ def main():
         help="also time the table layout (runs / blocks) that the choice did not take",
     )
     parser.add_argument("--cases", default="", help="only cases whose name contains one of these")
+    parser.add_argument(
+        "--one-run",
+        action="store_true",
+        help="also time the backward in one run of all heads (no workspace budget) and its memory",
+    )
     parser.add_argument("--no-graph-builds", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -522,7 +534,7 @@ def main():
                 device,
                 with_flex=not args.no_flex and (not long or args.flex_long),
                 with_dense=not long,
-                variants=VARIANTS if args.variants else (),
+                variants=(VARIANTS if args.variants else ()) + ((ONE_RUN,) if args.one_run else ()),
                 compare_layouts=args.compare_layouts,
             )
             results["rows"].append(row)
@@ -550,6 +562,8 @@ def main():
     cols += ["tables % of fwd+bwd"]
     if args.compare_layouts:
         cols += ["tables", "runs fwd x", "runs fwd+bwd x", "blocks fwd x", "blocks fwd+bwd x"]
+    if args.one_run:
+        cols += ["one-run fwd+bwd x", "one-run extra GiB fwd+bwd"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c, "-")) for c in cols) + " |")
