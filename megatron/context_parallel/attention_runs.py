@@ -89,11 +89,21 @@ def _ascending_order(values: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(tables, device: torch.device) -> list:
-    """Dicts of int64 host tensors (or None) on ``device`` in one host-to-device copy (each
-    copy from pageable memory waits for the stream): the same dicts, device tensors."""
+    """Dicts of int64 host tensors (or None) on ``device`` in one host-to-device copy: the
+    same dicts, device tensors.
+
+    On CUDA the copy is from pinned memory and does not block the host: a copy from pageable
+    memory would wait for everything already queued on the stream, so tables built while the
+    GPU runs earlier layers would stall the host until the GPU drained.
+    """
     names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
     flat = [tables[i][k].reshape(-1) for i, k in names]
-    packed = torch.cat(flat or [torch.zeros(0, dtype=torch.int64)]).to(device)
+    packed = torch.cat(flat or [torch.zeros(0, dtype=torch.int64)])
+    if torch.device(device).type == "cuda":
+        # The caching host allocator keeps the pinned block until the copy has run.
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
     out = [{k: None for k in t} for t in tables]
     for (i, k), part in zip(names, packed.split([t.numel() for t in flat])):
         out[i][k] = part.view(tables[i][k].shape)
