@@ -65,6 +65,11 @@ VARIANTS = (
 )
 # The backward in one run of all heads (no workspace budget), for --one-run.
 ONE_RUN = ("one-run", {}, True, None)
+# Blocked-layout settings, for --block-variants.
+BLOCK_VARIANTS = (
+    ("groups-256", {"layout": "blocks", "group_rows": 256}, True),
+    ("spans-16k", {"layout": "blocks", "span_budget": 16384}, True),
+)
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 
 
@@ -530,6 +535,7 @@ def main():
         help="also time the table layout (runs / blocks) that the choice did not take",
     )
     parser.add_argument("--cases", default="", help="only cases whose name contains one of these")
+    parser.add_argument("--block-variants", action="store_true", help="other blocked settings")
     parser.add_argument(
         "--one-run",
         action="store_true",
@@ -558,7 +564,9 @@ def main():
                 device,
                 with_flex=not args.no_flex and (not long or args.flex_long),
                 with_dense=not long,
-                variants=(VARIANTS if args.variants else ()) + ((ONE_RUN,) if args.one_run else ()),
+                variants=(VARIANTS if args.variants else ())
+                + ((ONE_RUN,) if args.one_run else ())
+                + (BLOCK_VARIANTS if args.block_variants else ()),
                 compare_layouts=args.compare_layouts,
             )
             results["rows"].append(row)
@@ -588,6 +596,8 @@ def main():
         cols += ["tables", "runs fwd x", "runs fwd+bwd x", "blocks fwd x", "blocks fwd+bwd x"]
     if args.one_run:
         cols += ["one-run fwd+bwd x", "one-run extra GiB fwd+bwd"]
+    if args.block_variants:
+        cols += [f"{v[0]} {m} x" for v in BLOCK_VARIANTS for m in ("fwd", "fwd+bwd")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c, "-")) for c in cols) + " |")

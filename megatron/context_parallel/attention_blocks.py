@@ -91,9 +91,9 @@ class AttentionBlocks(ReadOnlyTables):
         bulk: the forward call of every group's bulk (``AttentionRuns.from_entries``, unmasked;
             None when no group has bulk keys).
         has_bulk: bool ``[n]`` per sorted row (None when every group has bulk keys).
-        diagonal: the diagonal calls, causal; each with ``span_source`` (the sorted row of each
-            span row, -1 for a dummy) and ``local_to_span`` (the span row of each of its sorted
-            rows), and ``first_row`` / ``end_row``: the sorted rows it holds, ``[first, end)``.
+        diagonal: ``(call, first, end)`` per diagonal call (causal): the call carries
+            ``span_source`` (the sorted row of each span row, -1 for a dummy) and
+            ``local_to_span`` (the span row of each of the sorted rows ``[first, end)`` it holds).
         levels: the backward's bulk calls (unmasked), pieces ``j == i`` first.
         touched: per level call, int64 sorted rows of its entries.
     """
