@@ -335,10 +335,15 @@ def build_attention_tables(
     runs = AttentionRuns.build(plan, rank, sequence, padding_rows=padding_rows)
     if padding_rows or runs.rows == 0 or runs.entries == 0:
         return runs
-    # Run tables within the margin of the rows' own causal work need no comparison.
-    keys = _CompactKeys(plan, sequence)
-    compact = keys.of_position[plan.local_positions(rank)]
-    work = float((compact - keys.sequence_start[compact] + 1).sum())
+    # Run tables within the margin of the rows' own causal work need no comparison. Without
+    # dummy rows every entry row is a real row, so the tables give that work directly.
+    if runs.query_rows == runs.rows:
+        q, kv = runs.q_len, runs.kv_len
+        work = float((q * (kv - q) + q * (q + 1) // 2).sum())
+    else:
+        keys = _CompactKeys(plan, sequence)
+        compact = keys.of_position[plan.local_positions(rank)]
+        work = float((compact - keys.sequence_start[compact] + 1).sum())
     if _tile_cost(runs.q_len, runs.kv_len, True) <= 1.15 * work:
         return runs
     blocks = AttentionBlocks.build(plan, rank, sequence)
