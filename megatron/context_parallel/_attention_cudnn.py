@@ -213,7 +213,6 @@ def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, dete
     buffers ``heads`` / ``groups`` wide (run once per slice of the heads)."""
     cudnn = _cudnn()
     q_tok, kv_tok = heads * dim, groups * 2 * dim
-    stats_heads = heads
     heads, groups = heads // split, groups // split
     g, io, mask, q, k, v = _start_graph(handle, dtype, runs, heads, groups, dim, q_tok, kv_tok)
     b, sq, skv = runs.batch, runs.max_q, runs.max_kv
@@ -222,7 +221,7 @@ def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, dete
     do = _rows(g, "do", _DO, b, heads, sq, dim, q_tok, dim, io, off_o)
     # The backward takes the statistics padded per entry (no ragged offsets).
     stats = g.tensor(
-        name="stats", dim=[b, heads, sq, 1], stride=[stats_heads * sq, sq, 1, 1],
+        name="stats", dim=[b, heads, sq, 1], stride=[heads * sq, sq, 1, 1],
         data_type=cudnn.data_type.FLOAT, uid=_STATS,
     )  # fmt: skip
     dq, dk, dv = g.sdpa_backward(
@@ -353,7 +352,9 @@ def backward(
     for i in range(split):
         # Slice i of the heads: views at an offset, the graph's strides those of the whole rows.
         h, k = slice(i * hs, (i + 1) * hs), slice(i * gs, (i + 1) * gs)
-        buffers = [q[:, h], kv[:, k], kv[:, k, dim:], o[:, h], do[:, h], padded[:, h]]
+        # cuDNN (< 9.26) takes the statistics packed: each slice's are copied (they are small).
+        stats_h = padded if split == 1 else padded[:, h].contiguous()
+        buffers = [q[:, h], kv[:, k], kv[:, k, dim:], o[:, h], do[:, h], stats_h]
         buffers += [dq[:, h], dkv[:, k], dkv[:, k, dim:]]
         g.execute(buffers + tables, workspace, handle=handle, tensor_uids=uids)
     return dq, dkv
