@@ -55,7 +55,6 @@ from megatron.context_parallel.fused_attention import fused_attention  # noqa: E
 
 HEADS, GROUPS, DIM = 40, 8, 128
 GiB = float(1 << 30)
-_DEFAULT_BUDGET = _attention_cudnn.backward_workspace_budget
 # (label, AttentionRuns.build keywords, shared keys in the backward) for --variants.
 VARIANTS = (
     ("fine", {"shape_buckets": 16}, True),
@@ -63,12 +62,10 @@ VARIANTS = (
     ("fine+longest", {"shape_buckets": 16, "longest_first": True}, True),
     ("copies", {}, False),
 )
-# The backward in one run of all heads (no workspace budget), for --one-run.
-ONE_RUN = ("one-run", {}, True, None)
 # Blocked-layout settings, for --block-variants.
 BLOCK_VARIANTS = (
     ("groups-256", {"layout": "blocks", "group_rows": 256}, True),
-    ("spans-16k", {"layout": "blocks", "span_budget": 16384}, True),
+    ("spans-4k", {"layout": "blocks", "span_budget": 4096}, True),
 )
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 
@@ -221,10 +218,9 @@ class Case:
             torch.cuda.synchronize()
             self.build_ms = (time.perf_counter() - t0) * 1e3
 
-    def ours(self, backward, shared=True, budget=_DEFAULT_BUDGET):
+    def ours(self, backward, shared=True):
         # The library's default reads shared key ranges; the "copies" variant turns it off.
         _attention_cudnn.shared_keys_in_backward = shared
-        _attention_cudnn.backward_workspace_budget = budget
         q = self.query.detach().requires_grad_(backward)
         kv = self.kv_slots.detach().requires_grad_(backward)
         out = fused_attention(q, kv, self.runs, DIM**-0.5)
@@ -309,11 +305,10 @@ def bench_case(
         # The layout the choice did not take, timed beside it.
         other = "runs" if isinstance(case.runs, AttentionBlocks) else "blocks"
         variants = tuple(variants) + ((other, {"layout": other}, True),)
-    for label, build, shared, *budget in variants:
+    for label, build, shared in variants:
         other = Case(plan, rank, cu, device, **build)
-        b = budget[0] if budget else _DEFAULT_BUDGET
-        fns[f"{label} fwd"] = lambda c=other, sh=shared, b=b: c.ours(False, sh, b)
-        fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared, b=b: c.ours(True, sh, b)
+        fns[f"{label} fwd"] = lambda c=other, sh=shared: c.ours(False, sh)
+        fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared: c.ours(True, sh)
     t = time_round_robin(fns, device, reps, 1)
     n = case.query.shape[0]
     row_bytes = HEADS * DIM * 2
@@ -342,8 +337,6 @@ def bench_case(
         "tables ms": case.build_ms,
         "tables % of fwd+bwd": 100 * case.build_ms / t["ours fwd+bwd"],
     }
-    if any(v[0] == "one-run" for v in variants):
-        row["one-run extra GiB fwd+bwd"] = extra_peak(lambda: case.ours(True, True, None), kept_b)
     for label, *_ in variants:
         row[f"{label} fwd x"] = t[f"{label} fwd"] / floor_f
         row[f"{label} fwd+bwd x"] = t[f"{label} fwd+bwd"] / floor_b
@@ -536,11 +529,6 @@ def main():
     )
     parser.add_argument("--cases", default="", help="only cases whose name contains one of these")
     parser.add_argument("--block-variants", action="store_true", help="other blocked settings")
-    parser.add_argument(
-        "--one-run",
-        action="store_true",
-        help="also time the backward in one run of all heads (no workspace budget) and its memory",
-    )
     parser.add_argument("--no-graph-builds", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -565,7 +553,6 @@ def main():
                 with_flex=not args.no_flex and (not long or args.flex_long),
                 with_dense=not long,
                 variants=(VARIANTS if args.variants else ())
-                + ((ONE_RUN,) if args.one_run else ())
                 + (BLOCK_VARIANTS if args.block_variants else ()),
                 compare_layouts=args.compare_layouts,
             )
@@ -594,8 +581,6 @@ def main():
     cols += ["tables % of fwd+bwd"]
     if args.compare_layouts:
         cols += ["tables", "runs fwd x", "runs fwd+bwd x", "blocks fwd x", "blocks fwd+bwd x"]
-    if args.one_run:
-        cols += ["one-run fwd+bwd x", "one-run extra GiB fwd+bwd"]
     if args.block_variants:
         cols += [f"{v[0]} {m} x" for v in BLOCK_VARIANTS for m in ("fwd", "fwd+bwd")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -351,21 +351,3 @@ def test_backward_on_shared_key_ranges(kind):
     finally:
         cudnn_kernel.shared_keys_in_backward = False
     assert runs.materialize
-
-
-@pytest.mark.parametrize("kind", ["zigzag", "uneven", "random_half"])
-@pytest.mark.parametrize("heads,groups", [(16, 4), (8, 8)])
-def test_backward_in_head_slices(kind, heads, groups):
-    """A workspace budget too small for one run: the backward runs each key head's slice in
-    turn (``_head_split``), for both layouts."""
-    g = torch.Generator().manual_seed(5)
-    plan, cu = _plan(kind, 1024, g)
-    saved = cudnn_kernel.backward_workspace_budget
-    cudnn_kernel.backward_workspace_budget = 1
-    try:
-        runs = AttentionRuns.build(plan, 0, _sequence(1024, cu))
-        assert cudnn_kernel._head_split(runs, heads, groups, 128) == groups
-        _check(plan, 0, cu, heads, groups, 128, torch.bfloat16, 11)
-        _check(plan, 0, cu, heads, groups, 128, torch.bfloat16, 11, blocks={"group_rows": 128})
-    finally:
-        cudnn_kernel.backward_workspace_budget = saved

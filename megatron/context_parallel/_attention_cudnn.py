@@ -47,10 +47,6 @@ shared_keys_in_backward = True
 # kernel cache through it).
 graph_options: Dict[str, object] = {}
 
-# The backward's workspace bound (bytes) that head slices keep it under (None: one run of all
-# heads; see ``_head_split``).
-backward_workspace_budget: Optional[int] = 256 << 20
-
 _GRAPHS: Dict[tuple, tuple] = {}
 _TOTALS: Dict[tuple, list] = {}  # backward graph key -> the (total_q, total_mat) built for it
 _BUILDS = [0]
@@ -164,16 +160,13 @@ def _finish(g):
     return g, g.get_workspace_size()
 
 
-def _start_graph(handle, dtype, runs, heads, groups, dim, q_tok=None, kv_tok=None):
+def _start_graph(handle, dtype, runs, heads, groups, dim):
     """A graph with the inputs every pass reads: (graph, io type, the sdpa arguments of the
-    entry lengths and the diagonal, q, k, v descriptors). ``q_tok`` / ``kv_tok``: elements per
-    row of the query / key buffers (default: ``heads`` / ``groups`` wide; wider when the graph
-    runs a slice of the heads)."""
+    entry lengths and the diagonal, q, k, v descriptors)."""
     cudnn = _cudnn()
     io = _io_type(dtype)
     b, sq, skv = runs.batch, runs.max_q, runs.max_kv
-    q_tok = heads * dim if q_tok is None else q_tok
-    kv_tok = groups * 2 * dim if kv_tok is None else kv_tok
+    q_tok, kv_tok = heads * dim, groups * 2 * dim
     g = cudnn.pygraph(
         handle=handle, io_data_type=io,
         intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT,
@@ -208,13 +201,10 @@ def _forward_graph(handle, dtype, runs, heads, groups, dim, scale, want_stats):
     return _finish(g)
 
 
-def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, deterministic, split):
-    """The backward of ``heads / split`` query heads and their ``groups / split`` key heads, on
-    buffers ``heads`` / ``groups`` wide (run once per slice of the heads)."""
+def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, deterministic):
     cudnn = _cudnn()
     q_tok, kv_tok = heads * dim, groups * 2 * dim
-    heads, groups = heads // split, groups // split
-    g, io, mask, q, k, v = _start_graph(handle, dtype, runs, heads, groups, dim, q_tok, kv_tok)
+    g, io, mask, q, k, v = _start_graph(handle, dtype, runs, heads, groups, dim)
     b, sq, skv = runs.batch, runs.max_q, runs.max_kv
     off_o = _ragged(g, "off_o", _OFF_O, b)
     o = _rows(g, "o", _O, b, heads, sq, dim, q_tok, dim, io, off_o)
@@ -316,9 +306,8 @@ def backward(
     out_shape = (runs.mat_rows, groups, 2 * dim)
     if not runs.entries:
         return torch.zeros_like(q), kv.new_zeros(out_shape)
-    split = _head_split(runs, heads, groups, dim)
     key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
-           deterministic, runs.causal, split, q.device)  # fmt: skip
+           deterministic, runs.causal, q.device)  # fmt: skip
     handle = _handle(q.device)
     # The row totals only size the backward's accumulators: a graph built for larger totals
     # serves this batch, so batches of new lengths reuse the graphs they fit.
@@ -329,7 +318,7 @@ def backward(
     g, ws = _graph(
         key + totals,
         lambda: _backward_graph(
-            handle, q.dtype, runs, totals, heads, groups, dim, scale, deterministic, split
+            handle, q.dtype, runs, totals, heads, groups, dim, scale, deterministic
         ),
     )
     padded = _padded_stats(stats, dev, runs, heads)
@@ -347,31 +336,9 @@ def backward(
     uids = [_Q, _K, _V, _O, _DO, _STATS, _DQ, _DK, _DV]
     uids += [_LEN_Q, _LEN_KV, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_DQ, _OFF_DK, _OFF_DV]
     tables = [dev.seq_len_q, dev.seq_len_kv, q_off, in_off, in_off, q_off, q_off, out_off, out_off]
-    workspace = _workspace(ws, q.device)
-    hs, gs = heads // split, groups // split
-    for i in range(split):
-        # Slice i of the heads: views at an offset, the graph's strides those of the whole rows.
-        h, k = slice(i * hs, (i + 1) * hs), slice(i * gs, (i + 1) * gs)
-        # cuDNN (< 9.26) takes the statistics packed: each slice's are copied (they are small).
-        stats_h = padded if split == 1 else padded[:, h].contiguous()
-        buffers = [q[:, h], kv[:, k], kv[:, k, dim:], o[:, h], do[:, h], stats_h]
-        buffers += [dq[:, h], dkv[:, k], dkv[:, k, dim:]]
-        g.execute(buffers + tables, workspace, handle=handle, tensor_uids=uids)
+    buffers = [q, kv, kv[..., dim:], o, do, padded, dq, dkv, dkv[..., dim:]]
+    g.execute(buffers + tables, _workspace(ws, q.device), handle=handle, tensor_uids=uids)
     return dq, dkv
-
-
-def _head_split(runs, heads: int, groups: int, dim: int) -> int:
-    """Slices of the heads the backward runs one after another (a divisor of ``groups``): cuDNN
-    keeps fp32 key / value gradients per query head (``8 * dim`` bytes a key row) and an fp32
-    query-gradient accumulator (``4 * dim`` a query row) for the heads of one run, so slices
-    bound that workspace by ``backward_workspace_budget``."""
-    if backward_workspace_budget is None:
-        return 1
-    need = heads * dim * (8 * runs.total_mat + 4 * runs.total_q)
-    for split in range(1, groups + 1):
-        if groups % split == 0 and need / split <= backward_workspace_budget:
-            return split
-    return groups
 
 
 def _padded_stats(stats: torch.Tensor, dev, runs, heads: int) -> torch.Tensor:
