@@ -203,9 +203,9 @@ def _forward_graph(handle, dtype, runs, heads, groups, dim, scale, want_stats):
 
 def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, deterministic):
     cudnn = _cudnn()
-    q_tok, kv_tok = heads * dim, groups * 2 * dim
     g, io, mask, q, k, v = _start_graph(handle, dtype, runs, heads, groups, dim)
     b, sq, skv = runs.batch, runs.max_q, runs.max_kv
+    q_tok, kv_tok = heads * dim, groups * 2 * dim
     off_o = _ragged(g, "off_o", _OFF_O, b)
     o = _rows(g, "o", _O, b, heads, sq, dim, q_tok, dim, io, off_o)
     do = _rows(g, "do", _DO, b, heads, sq, dim, q_tok, dim, io, off_o)

@@ -40,9 +40,9 @@ import torch
 
 from megatron.context_parallel.attention_runs import (
     AttentionRuns,
+    CompactKeys,
     ReadOnlyTables,
     _ascending_order,
-    _run_starts,
     to_device,
 )
 from megatron.context_parallel.plan import ContextParallelPlan
@@ -108,6 +108,7 @@ class AttentionBlocks(ReadOnlyTables):
         group_rows: int = DEFAULT_GROUP_ROWS,
         span_budget: int = DEFAULT_SPAN_BUDGET,
         shape_buckets: int = 16,
+        keys: Optional[CompactKeys] = None,
     ) -> "AttentionBlocks":
         """The blocked tables of rank ``rank``'s rows of ``plan`` (host only).
 
@@ -118,8 +119,9 @@ class AttentionBlocks(ReadOnlyTables):
             group_rows: sorted rows per group (a multiple of the kernel's query tile).
             span_budget: span rows per diagonal call (a call holds at least one group).
             shape_buckets: as in ``AttentionRuns.build``.
+            keys: ``CompactKeys(plan, sequence)`` when the caller has it already.
         """
-        keys = _CompactKeys(plan, sequence)
+        keys = CompactKeys(plan, sequence) if keys is None else keys
         positions = plan.local_positions(rank)
         n = int(positions.numel())
         if n == 0:
@@ -269,19 +271,6 @@ class AttentionBlocks(ReadOnlyTables):
         )
 
 
-class _CompactKeys:
-    """The owned positions of a batch in source order (the compact keys) and their sequences."""
-
-    def __init__(self, plan: ContextParallelPlan, sequence: torch.Tensor):
-        source = plan.row_source("cpu")
-        owned = source >= 0
-        self.slots = source[owned]  # all-gather slot of each compact key
-        self.count = int(self.slots.numel())
-        self.of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
-        seq = sequence[owned]
-        self.sequence_start = _run_starts(seq)  # first compact key of its sequence
-
-
 def _groups(sorted_compact: torch.Tensor, seq_start: torch.Tensor, group_rows: int) -> Tuple:
     """Groups of sorted rows: (first row, rows, lo, hi, sequence start, index in its sequence,
     groups in its sequence), int64 ``[groups]`` each."""
@@ -332,7 +321,8 @@ def build_attention_tables(
 ):
     """This rank's tables for ``fused_attention``: the run tables, or the blocked ones where
     ``choose_layout`` finds them cheaper (plans scattering the rank's rows)."""
-    runs = AttentionRuns.build(plan, rank, sequence, padding_rows=padding_rows)
+    keys = CompactKeys(plan, sequence)
+    runs = AttentionRuns.build(plan, rank, sequence, padding_rows=padding_rows, keys=keys)
     if padding_rows or runs.rows == 0 or runs.entries == 0:
         return runs
     # Run tables within the margin of the rows' own causal work need no comparison. Without
@@ -341,10 +331,9 @@ def build_attention_tables(
         q, kv = runs.q_len, runs.kv_len
         work = float((q * (kv - q) + q * (q + 1) // 2).sum())
     else:
-        keys = _CompactKeys(plan, sequence)
         compact = keys.of_position[plan.local_positions(rank)]
         work = float((compact - keys.sequence_start[compact] + 1).sum())
     if _tile_cost(runs.q_len, runs.kv_len, True) <= 1.15 * work:
         return runs
-    blocks = AttentionBlocks.build(plan, rank, sequence)
+    blocks = AttentionBlocks.build(plan, rank, sequence, keys=keys)
     return blocks if choose_layout(runs, blocks) == "blocks" else runs

@@ -43,7 +43,7 @@ import torch
 
 from megatron.context_parallel.plan import ContextParallelPlan
 
-__all__ = ["AttentionRuns", "DeviceRuns"]
+__all__ = ["AttentionRuns", "CompactKeys", "DeviceRuns"]
 
 # Runs of one sequence closer than this are merged (their gap runs as dummy queries): merging
 # costs at most this many dummy rows and saves a partly filled query tile (64-128 rows).
@@ -86,6 +86,28 @@ def _ascending_order(values: torch.Tensor) -> torch.Tensor:
     if values.numel() < 2 or bool((values[1:] >= values[:-1]).all()):
         return torch.arange(values.numel())
     return torch.argsort(values, stable=True)
+
+
+class CompactKeys:
+    """The owned positions of a batch in source order (the compact keys) and their sequences.
+
+    Attributes (int64, CPU):
+        slots: ``[N]``, the all-gather slot of each compact key.
+        count: ``N``.
+        of_position: ``[seq_len]``, the compact key of each owned position (unowned positions
+            hold their predecessor's; never read for them).
+        sequence: ``[N]``, the packed sequence of each compact key (non-decreasing).
+        sequence_start: ``[N]``, the first compact key of each key's sequence.
+    """
+
+    def __init__(self, plan: ContextParallelPlan, sequence: torch.Tensor):
+        source = plan.row_source("cpu")
+        owned = source >= 0
+        self.slots = source[owned]
+        self.count = int(self.slots.numel())
+        self.of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
+        self.sequence = sequence[owned]
+        self.sequence_start = _run_starts(self.sequence)
 
 
 def to_device(tables, device: torch.device) -> list:
@@ -224,6 +246,7 @@ class AttentionRuns(ReadOnlyTables):
         merge_gap: int = DEFAULT_MERGE_GAP,
         shape_buckets: int = 16,
         longest_first: bool = True,
+        keys: Optional["CompactKeys"] = None,
     ) -> "AttentionRuns":
         """The entries of rank ``rank``'s rows of ``plan`` (host only, no device work).
 
@@ -242,14 +265,12 @@ class AttentionRuns(ReadOnlyTables):
                 with 16 sizes per octave, 1.29x with powers of two).
             longest_first: order the entries by key count, longest first (the kernel then
                 starts its longest tiles first, and the short ones fill the tail).
+            keys: ``CompactKeys(plan, sequence)`` when the caller has it already.
         """
-        owned = plan.row_source("cpu") >= 0
-        compact_slots = plan.row_source("cpu")[owned]
-        num_keys = int(compact_slots.numel())
-        compact_of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
-        sequence_of_key = sequence[owned]
-        # Compact index of the first key of each key's sequence (sequences are contiguous).
-        key_sequence_start = _run_starts(sequence_of_key)
+        keys = CompactKeys(plan, sequence) if keys is None else keys
+        compact_slots, num_keys = keys.slots, keys.count
+        compact_of_position, sequence_of_key = keys.of_position, keys.sequence
+        key_sequence_start = keys.sequence_start
 
         positions = plan.local_positions(rank)
         n = int(positions.numel())

@@ -94,6 +94,21 @@ def select_backend(query: torch.Tensor, head_dim: int, batch: int, dropout: floa
     return "cudnn"
 
 
+def _compact_kv(kv_slots: torch.Tensor, compact_slots) -> torch.Tensor:
+    """The gathered keys / values in compact key order (the slots themselves when ``None``)."""
+    if compact_slots is None:
+        return kv_slots.contiguous()
+    return ops.gather_rows(kv_slots, compact_slots)
+
+
+def _keys_for(runs: AttentionRuns, kv: torch.Tensor, kernel) -> torch.Tensor:
+    """The key buffer a kernel's backward reads: the compact keys, or each entry's own copy
+    when entries overlap and the kernel cannot read overlapping ranges in place."""
+    if not runs.materialize or getattr(kernel, "shared_keys_in_backward", False):
+        return kv
+    return ops.gather_rows(kv, runs.on(kv.device).kv_source)
+
+
 def _slot_gradients(dkeys: torch.Tensor, runs: AttentionRuns, dev) -> torch.Tensor:
     """The all-gather slots' gradient ``[slots, G, 2d]``: each slot's key copies summed."""
     if runs.slot_copies is None:
@@ -122,10 +137,7 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, query, kv_slots, runs: AttentionRuns, kernel, scale, deterministic):
         dev = runs.on(query.device)
         q = query.contiguous() if runs.identity else ops.gather_rows(query, dev.span_source)
-        if runs.compact_slots is None:
-            kv = kv_slots.contiguous()
-        else:
-            kv = ops.gather_rows(kv_slots, dev.compact_slots)
+        kv = _compact_kv(kv_slots, dev.compact_slots)
         want_stats = any(ctx.needs_input_grad[:2])
         o, stats = kernel.forward(q, kv, runs, dev, scale, want_stats)
         out = o if runs.identity else ops.gather_rows(o, dev.local_to_span)
@@ -143,21 +155,12 @@ class _FusedAttention(torch.autograd.Function):
             do = grad_out.contiguous()
         else:
             do = ops.gather_rows(grad_out.contiguous(), dev.span_source)
-        copies = runs.materialize and not getattr(ctx.kernel, "shared_keys_in_backward", False)
-        keys = ops.gather_rows(kv, dev.kv_source) if copies else kv
         dq, dkeys = ctx.kernel.backward(
-            q, keys, o, do, stats, runs, dev, ctx.scale, ctx.deterministic
-        )
+            q, _keys_for(runs, kv, ctx.kernel), o, do, stats, runs, dev, ctx.scale,
+            ctx.deterministic,
+        )  # fmt: skip
         dquery = dq if runs.identity else ops.gather_rows(dq, dev.local_to_span)
         return dquery, _slot_gradients(dkeys, runs, dev), None, None, None, None
-
-
-def _keys_for(call, kv, kernel):
-    """The key buffer a kernel's backward reads for ``call`` (per-entry copies unless it reads
-    overlapping ranges of the compact keys in place)."""
-    if getattr(kernel, "shared_keys_in_backward", False):
-        return kv
-    return ops.gather_rows(kv, call.on(kv.device).kv_source)
 
 
 class _BlockedAttention(torch.autograd.Function):
@@ -172,10 +175,7 @@ class _BlockedAttention(torch.autograd.Function):
     def forward(ctx, query, kv_slots, blocks: AttentionBlocks, kernel, scale, deterministic):
         dev = blocks.on(query.device)
         q = query.contiguous() if dev.order is None else ops.gather_rows(query, dev.order)
-        if dev.compact_slots is None:
-            kv = kv_slots.contiguous()
-        else:
-            kv = ops.gather_rows(kv_slots, dev.compact_slots)
+        kv = _compact_kv(kv_slots, dev.compact_slots)
         n, heads, _ = q.shape
         lse_d = q.new_empty((n, heads), dtype=torch.promote_types(q.dtype, torch.float32))
         o_d = torch.empty_like(q)
