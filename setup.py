@@ -6,20 +6,24 @@ otherwise fetch a separate, CUDA-enabled torch just to build against):
     pip install --no-build-isolation -e .          # development
     pip install --no-build-isolation .             # regular install
 
-The CUDA row kernels (``csrc/``) are built into ``megatron.context_parallel._C`` when the
-toolchain allows it: torch was built with CUDA and ``nvcc`` is found (``CUDA_HOME`` or
-``PATH``). Whether a GPU is visible does not matter, so a Docker build without GPUs still
-builds the kernels. Otherwise the install is pure Python, and CUDA tensors fall back to torch
-indexing at run time (with one warning).
+Two compiled parts, each with a torch fallback at run time:
+
+* The CUDA row kernels (``csrc/*.cu``) are built into ``megatron.context_parallel._C`` when the
+  toolchain allows it: torch was built with CUDA and ``nvcc`` is found (``CUDA_HOME`` or
+  ``PATH``). Whether a GPU is visible does not matter, so a Docker build without GPUs still
+  builds the kernels. Otherwise CUDA tensors fall back to torch indexing (with one warning).
+* The attention's host table builders (``csrc/host/``, plain C++ on CPU tensors) are built into
+  ``megatron.context_parallel._host`` whenever torch imports (CPU builds too). Without them the
+  tables are built by torch ops, about 10-40x slower.
 
 Environment variables (on/off ones follow megatron/context_parallel/_env.py: 1/true/yes/on
 or 0/false/no/off/empty, anything else is an error):
     MCP_FORCE_CUDA_BUILD=1: build the extension or fail (no silent pure-Python install).
-    MCP_SKIP_CUDA_BUILD=1: never build it (pure-Python install). Setting both is an error.
+    MCP_SKIP_CUDA_BUILD=1: build neither part (pure-Python install). Setting both is an error.
     TORCH_CUDA_ARCH_LIST: target architectures, default "9.0" (Hopper: H100, H200).
     MAX_JOBS: parallel compile jobs (read by torch's build helper).
 
-The extension is linked against the shared libstdc++.so whatever the compiler's default
+Both libraries are linked against the shared libstdc++.so whatever the compiler's default
 (megatron/context_parallel/_linkage.py says why: a static C++ runtime turns a failing
 TORCH_CHECK into a segfault), and the build fails, naming the fix, if the result still lacks it.
 """
@@ -35,6 +39,7 @@ from setuptools import find_namespace_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 EXT_NAME = "megatron.context_parallel._C"
+HOST_EXT_NAME = "megatron.context_parallel._host"
 DEFAULT_ARCH_LIST = "9.0"
 
 
@@ -90,22 +95,42 @@ def _cuda_build_decision():
     return False, reason, details
 
 
-def _extensions(build: bool):
-    if not build:
-        return [], {}
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+def _host_build_decision() -> bool:
+    """Whether to build the host table builders: torch imports and no pure-Python install."""
+    if env_flag("MCP_SKIP_CUDA_BUILD"):
+        return False
+    return importlib.util.find_spec("torch") is not None
 
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-    ext = CUDAExtension(
-        name=EXT_NAME,
-        sources=["csrc/binding.cpp", "csrc/row_copy.cu"],
-        include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={
-            "cxx": ["-O3"],
-            "nvcc": ["-O3"],
-        },
-        extra_link_args=linkage.LINK_ARGS,
-    )
+
+def _extensions(build: bool, host: bool):
+    if not (build or host):
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    exts = []
+    if build:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+        exts.append(
+            CUDAExtension(
+                name=EXT_NAME,
+                sources=["csrc/binding.cpp", "csrc/row_copy.cu"],
+                include_dirs=[os.path.join(ROOT, "csrc")],
+                extra_compile_args={
+                    "cxx": ["-O3"],
+                    "nvcc": ["-O3"],
+                },
+                extra_link_args=linkage.LINK_ARGS,
+            )
+        )
+    if host:
+        exts.append(
+            CppExtension(
+                name=HOST_EXT_NAME,
+                sources=["csrc/host/attention_tables.cpp"],
+                extra_compile_args=["-O3"],
+                extra_link_args=linkage.LINK_ARGS,
+            )
+        )
 
     class CheckedBuildExtension(BuildExtension):
         """torch's ``BuildExtension``, refusing a library that lacks the shared libstdc++."""
@@ -119,16 +144,18 @@ def _extensions(build: bool):
                 os.remove(path)  # never leave a library behind that crashes on a bad call
                 raise
 
-    return [ext], {"build_ext": CheckedBuildExtension}
+    return exts, {"build_ext": CheckedBuildExtension}
 
 
-def _summary(build: bool, reason: str, details: dict) -> None:
+def _summary(build: bool, reason: str, details: dict, host: bool) -> None:
     lines = ["", "megatron-context-parallel build summary"]
     lines.append(f"  CUDA extension {EXT_NAME}: {'BUILD' if build else 'skipped'} ({reason})")
+    lines.append(f"  host tables {HOST_EXT_NAME}: {'BUILD' if host else 'skipped'}")
     for key, value in details.items():
         lines.append(f"  {key}: {value}")
     if build:
         lines.append(f"  TORCH_CUDA_ARCH_LIST: {os.environ.get('TORCH_CUDA_ARCH_LIST')}")
+    if build or host:
         lines.append(f"  CXX: {os.environ.get('CXX', '(default)')}, links {linkage.LINK_ARGS}")
     lines.append("")
     print("\n".join(lines), file=sys.stderr)
@@ -142,10 +169,11 @@ def _wants_build() -> bool:
 
 if _wants_build():
     BUILD, REASON, DETAILS = _cuda_build_decision()
-    _summary(BUILD, REASON, DETAILS)
+    HOST = _host_build_decision()
+    _summary(BUILD, REASON, DETAILS, HOST)
 else:
-    BUILD = False
-EXT_MODULES, CMDCLASS = _extensions(BUILD)
+    BUILD = HOST = False
+EXT_MODULES, CMDCLASS = _extensions(BUILD, HOST)
 
 setup(
     name="megatron-context-parallel",

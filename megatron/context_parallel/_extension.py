@@ -1,4 +1,5 @@
-"""Optional loader of the compiled CUDA row kernels, ``megatron.context_parallel._C``.
+"""Optional loaders of the compiled parts: the CUDA row kernels (``megatron.context_parallel._C``)
+and the attention's host table builders (``megatron.context_parallel._host``, ``host_tables``).
 
 The extension exists only when the install found a CUDA toolchain (see ``setup.py``). Three
 outcomes are told apart, because they call for different reactions:
@@ -30,10 +31,12 @@ import torch
 
 from megatron.context_parallel._env import env_flag
 
-__all__ = ["load", "status", "warn_fallback_once"]
+__all__ = ["host_tables", "load", "status", "warn_fallback_once"]
 
 _MODULE = "megatron.context_parallel._C"
+_HOST_MODULE = "megatron.context_parallel._host"
 _state: Optional[Tuple[str, str]] = None
+_host_state: Optional[Tuple[str, str]] = None
 _fallback_warned = False
 
 
@@ -107,3 +110,41 @@ def warn_fallback_once(op: str) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def host_tables():
+    """``torch.ops.megatron_cp_host`` (the C++ builders of the attention tables, CPU tensors
+    only), or None where they are not built or disabled: callers then build the same tables
+    with torch ops. Loaded once; a library that fails to load warns once, as ``load`` does.
+
+    Raises:
+        ImportError: ``MCP_REQUIRE_EXTENSION`` is on and the builders are not loaded (unless
+            ``MCP_DISABLE_EXTENSION`` is on too).
+    """
+    global _host_state
+    if _host_state is None:
+        if env_flag("MCP_DISABLE_EXTENSION"):
+            _host_state = ("not built", "disabled by MCP_DISABLE_EXTENSION")
+        elif importlib.util.find_spec(_HOST_MODULE) is None:
+            _host_state = ("not built", "the package was installed without its host tables")
+        else:
+            try:
+                importlib.import_module(_HOST_MODULE)
+                _host_state = ("loaded", "")
+            except Exception as exc:  # noqa: BLE001 - any load failure means "broken"
+                _host_state = ("broken", f"{type(exc).__name__}: {exc}")
+                warnings.warn(
+                    f"{_HOST_MODULE} is installed but failed to load ({_host_state[1]}); "
+                    "rebuild with `pip install --no-build-isolation -e .`. Attention tables "
+                    "are built with torch ops.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    if _host_state[0] == "loaded":
+        return torch.ops.megatron_cp_host
+    if env_flag("MCP_REQUIRE_EXTENSION") and not env_flag("MCP_DISABLE_EXTENSION"):
+        raise ImportError(
+            f"MCP_REQUIRE_EXTENSION is set but {_HOST_MODULE} is {_host_state[0]}: "
+            f"{_host_state[1]}"
+        )
+    return None

@@ -39,10 +39,12 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron.context_parallel.attention_runs import (
+    INT32_TABLES,
     AttentionRuns,
     CompactKeys,
     ReadOnlyTables,
     _ascending_order,
+    _host_ops,
     to_device,
 )
 from megatron.context_parallel.plan import ContextParallelPlan
@@ -126,6 +128,8 @@ class AttentionBlocks(ReadOnlyTables):
         n = int(positions.numel())
         if n == 0:
             raise ValueError(f"rank {rank} owns no positions; the blocked layout needs rows")
+        if _host_ops() is not None:
+            return cls._native_build(plan, rank, keys, group_rows, span_budget, shape_buckets)
         compact = keys.of_position[positions]
         order = _ascending_order(compact)
         sorted_compact = compact[order]
@@ -230,6 +234,56 @@ class AttentionBlocks(ReadOnlyTables):
             touched=touched,
         )
 
+    @classmethod
+    def _native_build(cls, plan, rank, keys, group_rows, span_budget, shape_buckets):
+        """``build`` by the C++ builder (``block_tables``), the same tables."""
+        slots = plan.cp_size * plan.max_count
+        tensors, meta = _host_ops().block_tables(
+            plan.local_positions(rank), keys.of_position, keys.slots, keys.sequence_start,
+            group_rows, span_budget, slots, plan.slots_in_source_order,
+        )  # fmt: skip
+        groups, identity, has_bulk_call, n_diagonal, n_levels = meta[:5]
+        order, local_to_sorted, has_bulk, slot_rows = tensors[:4]
+        n_calls = int(has_bulk_call) + n_diagonal + n_levels
+        sizes = meta[5 : 5 + 2 * n_calls]
+        bounds = meta[5 + 2 * n_calls :]
+        calls = []
+        for c in range(n_calls):
+            q_start, q_len, k_start, kv_len, mat_start, kv_source, span_source, to_span = tensors[
+                4 + 8 * c : 12 + 8 * c
+            ]
+            diagonal = has_bulk_call <= c < has_bulk_call + n_diagonal
+            bulk = c < has_bulk_call
+            calls.append(
+                AttentionRuns._call(
+                    q_start, q_len, k_start, kv_len, mat_start, None if bulk else kv_source,
+                    query_rows=sizes[2 * c], mat_rows=sizes[2 * c + 1], num_keys=keys.count,
+                    causal=diagonal, span_source=span_source if diagonal else None,
+                    local_to_span=to_span if diagonal else None,
+                    rows_covered=not bulk or has_bulk.numel() == 0, shape_buckets=shape_buckets,
+                )  # fmt: skip
+            )
+        diagonal = [
+            (calls[has_bulk_call + d], bounds[2 * d], bounds[2 * d + 1]) for d in range(n_diagonal)
+        ]
+        return cls(
+            plan=plan,
+            rank=rank,
+            rows=int(order.numel()),
+            num_keys=keys.count,
+            slots=slots,
+            groups=groups,
+            order=None if identity else order,
+            local_to_sorted=None if identity else local_to_sorted,
+            slot_rows=None if plan.slots_in_source_order else slot_rows,
+            compact_slots=None if plan.slots_in_source_order else keys.slots,
+            bulk=calls[0] if has_bulk_call else None,
+            has_bulk=has_bulk.bool() if has_bulk.numel() else None,
+            diagonal=diagonal,
+            levels=calls[has_bulk_call + n_diagonal :],
+            touched=list(tensors[4 + 8 * n_calls :]),
+        )
+
     def on(self, device: torch.device) -> DeviceBlocks:
         """The device tables (first use per device; every call's own tables with them)."""
         device = torch.device(device)
@@ -247,7 +301,7 @@ class AttentionBlocks(ReadOnlyTables):
         calls = self.calls()
         # One host-to-device copy for the blocks' tables and every call's.
         moved, moved_touched, *per_call = to_device(
-            [host, touched] + [c._host_tables() for c in calls], device
+            [host, touched] + [c._host_tables() for c in calls], device, INT32_TABLES
         )
         for call, parts in zip(calls, per_call):
             call._adopt(device, parts)
@@ -294,6 +348,9 @@ def _groups(sorted_compact: torch.Tensor, seq_start: torch.Tensor, group_rows: i
 def _tile_cost(q_len: torch.Tensor, kv_len: torch.Tensor, causal: bool, tile: int = 128) -> float:
     """Score elements a tiled kernel computes for entries: whole query tiles of ``tile`` rows,
     a causal tile running to the key bound of its last row."""
+    ops = _host_ops()
+    if ops is not None:
+        return ops.tile_cost(q_len, kv_len, causal, tile)
     tiles = -(-q_len // tile)
     if not causal:
         return float((tiles * tile * kv_len).sum())
@@ -325,15 +382,8 @@ def build_attention_tables(
     runs = AttentionRuns.build(plan, rank, sequence, padding_rows=padding_rows, keys=keys)
     if padding_rows or runs.rows == 0 or runs.entries == 0:
         return runs
-    # Run tables within the margin of the rows' own causal work need no comparison. Without
-    # dummy rows every entry row is a real row, so the tables give that work directly.
-    if runs.query_rows == runs.rows:
-        q, kv = runs.q_len, runs.kv_len
-        work = float((q * (kv - q) + q * (q + 1) // 2).sum())
-    else:
-        compact = keys.of_position[plan.local_positions(rank)]
-        work = float((compact - keys.sequence_start[compact] + 1).sum())
-    if _tile_cost(runs.q_len, runs.kv_len, True) <= 1.15 * work:
+    # Run tables within the margin of the rows' own causal work need no comparison.
+    if _tile_cost(runs.q_len, runs.kv_len, True) <= 1.15 * runs.work:
         return runs
     blocks = AttentionBlocks.build(plan, rank, sequence, keys=keys)
     return blocks if choose_layout(runs, blocks) == "blocks" else runs

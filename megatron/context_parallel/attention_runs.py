@@ -31,7 +31,9 @@ kernel that cannot read overlapping key ranges is also given the keys copied to 
 (``slot_copies``).
 
 Everything here is built once per batch on the host from the plan, then copied to the device
-once (``on(device)``), and shared by every layer.
+once (``on(device)``), and shared by every layer. The builders run in C++
+(``csrc/host/attention_tables.cpp``, linear passes) where the package was built with them, else
+as the torch ops below, which define the tables and are the reference the C++ is tested against.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron.context_parallel import _extension
 from megatron.context_parallel.plan import ContextParallelPlan
 
 __all__ = ["AttentionRuns", "CompactKeys", "DeviceRuns"]
@@ -48,6 +51,9 @@ __all__ = ["AttentionRuns", "CompactKeys", "DeviceRuns"]
 # Runs of one sequence closer than this are merged (their gap runs as dummy queries): merging
 # costs at most this many dummy rows and saves a partly filled query tile (64-128 rows).
 DEFAULT_MERGE_GAP = 64
+
+# The call tables the kernel reads as int32 (to_device converts them).
+INT32_TABLES = ("seq_len_q", "seq_len_kv")
 
 
 def _bucket(n: int, per_octave: int = 1) -> int:
@@ -62,6 +68,11 @@ def _bucket(n: int, per_octave: int = 1) -> int:
         return top
     step = max(top // (2 * per_octave), 1)
     return -(-int(n) // step) * step
+
+
+def _host_ops():
+    """The C++ table builders, or None: build with torch ops (``_extension.host_tables``)."""
+    return _extension.host_tables()
 
 
 def _run_starts(values: torch.Tensor) -> torch.Tensor:
@@ -102,6 +113,12 @@ class CompactKeys:
 
     def __init__(self, plan: ContextParallelPlan, sequence: torch.Tensor):
         source = plan.row_source("cpu")
+        ops = _host_ops()
+        if ops is not None:
+            parts = ops.compact_keys(source, sequence.to(torch.int64).contiguous())
+            self.slots, self.of_position, self.sequence, self.sequence_start = parts
+            self.count = int(self.slots.numel())
+            return
         owned = source >= 0
         self.slots = source[owned]
         self.count = int(self.slots.numel())
@@ -110,15 +127,18 @@ class CompactKeys:
         self.sequence_start = _run_starts(self.sequence)
 
 
-def to_device(tables, device: torch.device) -> list:
+def to_device(tables, device: torch.device, int32=()) -> list:
     """Dicts of int64 host tensors (or None) on ``device`` in one host-to-device copy: the
-    same dicts, device tensors.
+    same dicts, device tensors; those named in ``int32`` as int32 (one conversion for all).
 
     On CUDA the copy is from pinned memory and does not block the host: a copy from pageable
     memory would wait for everything already queued on the stream, so tables built while the
     GPU runs earlier layers would stall the host until the GPU drained.
     """
     names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
+    # The int32 tables first: their region converts as one tensor.
+    names.sort(key=lambda name: name[1] not in int32)
+    narrow = sum(tables[i][k].numel() for i, k in names if k in int32)
     flat = [tables[i][k].reshape(-1) for i, k in names]
     packed = torch.cat(flat or [torch.zeros(0, dtype=torch.int64)])
     if torch.device(device).type == "cuda":
@@ -126,9 +146,15 @@ def to_device(tables, device: torch.device) -> list:
         packed = packed.pin_memory().to(device, non_blocking=True)
     else:
         packed = packed.to(device)
+    sizes = [t.numel() for t in flat]
+    n32 = sum(1 for _, k in names if k in int32)
+    parts = list(packed[narrow:].split(sizes[n32:]))
+    if n32:
+        parts = list(packed[:narrow].to(torch.int32).split(sizes[:n32])) + parts
     out = [{k: None for k in t} for t in tables]
-    for (i, k), part in zip(names, packed.split([t.numel() for t in flat])):
-        out[i][k] = part.view(tables[i][k].shape)
+    for (i, k), part in zip(names, parts):
+        shape = tables[i][k].shape
+        out[i][k] = part if len(shape) == 1 else part.view(shape)
     return out
 
 
@@ -233,6 +259,9 @@ class AttentionRuns(ReadOnlyTables):
             (``_bucket``) so that batches of new lengths reuse plans.
         causal: the entries are bottom-right causal blocks (``from_entries`` also makes
             unmasked ones).
+        work: score elements of the rows' own causal attention (each row's keys from its
+            sequence's start to itself; no tiles, no dummies), for the layout choice (None on
+            ``from_entries`` calls).
     """
 
     @classmethod
@@ -268,6 +297,58 @@ class AttentionRuns(ReadOnlyTables):
             keys: ``CompactKeys(plan, sequence)`` when the caller has it already.
         """
         keys = CompactKeys(plan, sequence) if keys is None else keys
+        ops = _host_ops()
+        build = cls._reference_fields if ops is None else cls._native_fields
+        fields = build(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first)
+        q_len, kv_len = fields["q_len"], fields["kv_len"]
+        query_rows, mat_rows = fields["query_rows"], fields["mat_rows"]
+        return cls(
+            plan=plan,
+            rank=rank,
+            rows=int(plan.counts[rank]) + padding_rows,
+            num_keys=keys.count,
+            entries=int(q_len.numel()),
+            compact_slots=None if plan.slots_in_source_order else keys.slots,
+            slots=plan.cp_size * plan.max_count,
+            rows_covered=padding_rows == 0,
+            **fields,
+            **_kernel_sizes(q_len, kv_len, query_rows, mat_rows, shape_buckets),
+            causal=True,
+        )
+
+    @staticmethod
+    def _native_fields(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first):
+        """``build``'s per-rank fields from the C++ builder (``run_tables``)."""
+        tables, flags = _host_ops().run_tables(
+            plan.local_positions(rank), keys.of_position, sequence.to(torch.int64).contiguous(),
+            keys.slots, keys.sequence, keys.sequence_start, padding_rows, merge_gap,
+            longest_first, plan.cp_size * plan.max_count, plan.slots_in_source_order,
+        )  # fmt: skip
+        q_start, q_len, k_start, kv_len, mat_start, span_source, to_span, kv_source, copies = tables
+        identity, query_rows, materialize, mat_rows, keys_covered, n_copies, work = flags
+        slots = plan.cp_size * plan.max_count
+        slots_are_rows = not materialize and plan.slots_in_source_order
+        return dict(
+            q_start=q_start,
+            q_len=q_len,
+            k_start=k_start,
+            kv_len=kv_len,
+            mat_start=mat_start,
+            identity=bool(identity),
+            span_source=None if identity else span_source,
+            local_to_span=None if identity else to_span,
+            query_rows=query_rows,
+            materialize=bool(materialize),
+            kv_source=kv_source if materialize else None,
+            mat_rows=mat_rows,
+            slot_copies=None if slots_are_rows else copies.view(n_copies, slots),
+            keys_covered=bool(keys_covered),
+            work=work,
+        )
+
+    @staticmethod
+    def _reference_fields(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first):
+        """``build``'s per-rank fields by torch ops (the definition ``_native_fields`` meets)."""
         compact_slots, num_keys = keys.slots, keys.count
         compact_of_position, sequence_of_key = keys.of_position, keys.sequence
         key_sequence_start = keys.sequence_start
@@ -358,12 +439,7 @@ class AttentionRuns(ReadOnlyTables):
             ends = torch.zeros(num_keys, dtype=torch.int64)
             ends[k_start] = k_start + kv_len
             keys_covered = bool(torch.equal(torch.cummax(ends, 0).values, seq_end))
-        return cls(
-            plan=plan,
-            rank=rank,
-            rows=n + padding_rows,
-            num_keys=num_keys,
-            entries=entries,
+        return dict(
             q_start=q_start,
             q_len=q_len,
             k_start=k_start,
@@ -376,13 +452,9 @@ class AttentionRuns(ReadOnlyTables):
             materialize=materialize,
             kv_source=kv_source,
             mat_rows=mat_rows,
-            compact_slots=None if plan.slots_in_source_order else compact_slots,
-            slots=slots,
             slot_copies=None if slots_are_rows else slot_copies,
             keys_covered=bool(keys_covered),
-            rows_covered=padding_rows == 0,
-            **_kernel_sizes(q_len, kv_len, query_rows, mat_rows, shape_buckets),
-            causal=True,
+            work=int((compact - key_sequence_start[compact] + 1).sum()),
         )
 
     @classmethod
@@ -431,12 +503,25 @@ class AttentionRuns(ReadOnlyTables):
             kv_source = torch.arange(mat_rows) - shift
         else:
             mat_start, mat_rows, kv_source = k_start, num_keys, None
+        return cls._call(
+            q_start, q_len, k_start, kv_len, mat_start, kv_source, query_rows=query_rows,
+            mat_rows=mat_rows, num_keys=num_keys, causal=causal, span_source=span_source,
+            local_to_span=local_to_span, rows_covered=rows_covered, shape_buckets=shape_buckets,
+        )  # fmt: skip
+
+    @classmethod
+    def _call(
+        cls, q_start, q_len, k_start, kv_len, mat_start, kv_source, *, query_rows, mat_rows,
+        num_keys, causal, span_source, local_to_span, rows_covered, shape_buckets,
+    ) -> "AttentionRuns":  # fmt: skip
+        """``from_entries``'s object from its entries already ordered and laid out
+        (``kv_source`` None: forward only)."""
         return cls(
             plan=None,
             rank=None,
             rows=query_rows,
             num_keys=num_keys,
-            entries=entries,
+            entries=int(q_len.numel()),
             q_start=q_start,
             q_len=q_len,
             k_start=k_start,
@@ -446,13 +531,14 @@ class AttentionRuns(ReadOnlyTables):
             span_source=span_source,
             local_to_span=local_to_span,
             query_rows=query_rows,
-            materialize=backward,
+            materialize=kv_source is not None,
             kv_source=kv_source,
             mat_rows=mat_rows,
             compact_slots=None,
             slots=None,
             slot_copies=None,
             keys_covered=True,
+            work=None,
             rows_covered=bool(rows_covered),
             **_kernel_sizes(q_len, kv_len, query_rows, mat_rows, shape_buckets),
             causal=bool(causal),
@@ -464,10 +550,31 @@ class AttentionRuns(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
-        return self._adopt(device, to_device([self._host_tables()], device)[0])
+        return self._adopt(device, to_device([self._host_tables()], device, INT32_TABLES)[0])
 
     def _host_tables(self) -> Dict[str, Optional[torch.Tensor]]:
         """The int64 host tables ``on`` copies (None: absent)."""
+        ops = _host_ops()
+        if ops is not None:
+            parts = ops.call_tables(
+                self.q_start, self.q_len, self.k_start, self.kv_len, self.mat_start, self.batch,
+                self.max_q, self.query_rows, self.num_keys, self.mat_rows,
+            )  # fmt: skip
+            names = ("seq_len_q", "seq_len_kv", "q_rows", "kv_rows", "mat_rows", "stats_index")
+            host = dict(zip(names, parts))
+        else:
+            host = self._reference_call_tables()
+        host.update(
+            span_source=self.span_source,
+            local_to_span=self.local_to_span,
+            kv_source=self.kv_source,
+            compact_slots=self.compact_slots,
+            slot_copies=self.slot_copies,
+        )
+        return host
+
+    def _reference_call_tables(self) -> Dict[str, torch.Tensor]:
+        """The per-entry device layout by torch ops (the definition ``call_tables`` meets)."""
         pad = self.batch - self.entries
 
         def starts(values: torch.Tensor, total: int) -> torch.Tensor:
@@ -480,26 +587,20 @@ class AttentionRuns(ReadOnlyTables):
             valid = slot[None, :] < self.q_len[:, None]
             rows = self.q_start[:, None] + slot[None, :]
             stats_index[: self.entries] = torch.where(valid, rows, -1)
-        host = {
+        return {
             "seq_len_q": torch.cat([self.q_len, self.q_len.new_zeros(pad)]),
             "seq_len_kv": torch.cat([self.kv_len, self.kv_len.new_zeros(pad)]),
             "q_rows": starts(self.q_start, self.query_rows),
             "kv_rows": starts(self.k_start, self.num_keys),
             "mat_rows": starts(self.mat_start, self.mat_rows),
-            "span_source": self.span_source,
-            "local_to_span": self.local_to_span,
-            "kv_source": self.kv_source,
-            "compact_slots": self.compact_slots,
-            "slot_copies": self.slot_copies,
             "stats_index": stats_index.flatten(),
         }
-        return host
 
     def _adopt(self, device: torch.device, parts: Dict[str, Optional[torch.Tensor]]):
         """Caches and returns the ``DeviceRuns`` of tables already on ``device``."""
         parts = dict(parts)
-        for name in ("seq_len_q", "seq_len_kv"):
-            parts[name] = parts[name].to(torch.int32).reshape(-1, 1, 1, 1)
+        for name in INT32_TABLES:
+            parts[name] = parts[name].view(-1, 1, 1, 1)
         moved = DeviceRuns(**parts)
         self._device[device] = moved
         return moved

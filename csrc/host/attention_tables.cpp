@@ -1,0 +1,582 @@
+// Host builders of the fused attention's per-batch tables, registered as CPU torch ops
+// (namespace megatron_cp_host).
+//
+// megatron/context_parallel/attention_runs.py holds the definitions and a torch-op reference
+// of each builder; the two are kept equal field by field (tests/test_attention_tables_native.py).
+// The reference issues about a hundred small torch ops per batch, each paying the dispatcher
+// and an allocation: milliseconds on the host where one layer's attention takes tens of them.
+// Here every table is one or two linear passes over the batch's rows.
+//
+// All tensors are int64, contiguous, on the CPU. Scalars cross as int64 lists.
+
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+namespace megatron_cp_host {
+namespace {
+
+using Vec = std::vector<int64_t>;
+
+const int64_t* read(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, ": expected a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kLong, what, ": expected int64, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), what, ": expected a contiguous 1-D tensor");
+  return t.data_ptr<int64_t>();
+}
+
+at::Tensor tensor(const Vec& v) {
+  at::Tensor out = at::empty({static_cast<int64_t>(v.size())}, at::kLong);
+  std::copy(v.begin(), v.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+at::Tensor none() { return at::empty({0}, at::kLong); }
+
+// A fresh int64 tensor of n elements and its data (written by the caller).
+std::pair<at::Tensor, int64_t*> alloc(int64_t n) {
+  at::Tensor t = at::empty({n}, at::kLong);
+  return {t, t.data_ptr<int64_t>()};
+}
+
+// The owned positions in source order (compact keys): for each its all-gather slot, packed
+// sequence and its sequence's first compact key; and each position's compact key (an unowned
+// position holds its predecessor's, -1 before the first owned one).
+std::vector<at::Tensor> compact_keys(const at::Tensor& row_source, const at::Tensor& sequence) {
+  const int64_t* src = read(row_source, "compact_keys: row_source");
+  const int64_t* seq = read(sequence, "compact_keys: sequence");
+  const int64_t s_len = row_source.numel();
+  TORCH_CHECK(sequence.numel() == s_len, "compact_keys: ", s_len, " positions but ",
+              sequence.numel(), " sequence ids");
+  int64_t count = 0;
+  for (int64_t p = 0; p < s_len; ++p) count += src[p] >= 0;
+  at::Tensor slots = at::empty({count}, at::kLong), of_position = at::empty({s_len}, at::kLong);
+  at::Tensor key_seq = at::empty({count}, at::kLong), key_start = at::empty({count}, at::kLong);
+  int64_t *sl = slots.data_ptr<int64_t>(), *of = of_position.data_ptr<int64_t>();
+  int64_t *ks = key_seq.data_ptr<int64_t>(), *kst = key_start.data_ptr<int64_t>();
+  int64_t k = 0;
+  for (int64_t p = 0; p < s_len; ++p) {
+    if (src[p] >= 0) {
+      kst[k] = (k == 0 || ks[k - 1] != seq[p]) ? k : kst[k - 1];
+      sl[k] = src[p];
+      ks[k] = seq[p];
+      ++k;
+    }
+    of[p] = k - 1;
+  }
+  return {slots, of_position, key_seq, key_start};
+}
+
+// One past the last compact key of each key's sequence.
+Vec sequence_ends(const int64_t* key_seq, int64_t n) {
+  Vec end(n);
+  for (int64_t k = n - 1; k >= 0; --k) {
+    end[k] = (k + 1 < n && key_seq[k + 1] == key_seq[k]) ? end[k + 1] : k + 1;
+  }
+  return end;
+}
+
+// The entries of one rank's rows (AttentionRuns.build). Returns the tensors
+//   q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source,
+//   slot_copies ([copies * slots], row-major)
+// (empty where the flags say absent) and the flags
+//   identity, query_rows, materialize, mat_rows, keys_covered, copies, work (score elements of
+//   the rows' own causal attention: each row's keys from its sequence's start to itself).
+std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
+    const at::Tensor& positions, const at::Tensor& of_position, const at::Tensor& sequence,
+    const at::Tensor& key_slots, const at::Tensor& key_sequence,
+    const at::Tensor& key_sequence_start, int64_t padding_rows, int64_t merge_gap,
+    bool longest_first, int64_t slots, bool slots_in_source_order) {
+  const int64_t* pos = read(positions, "run_tables: positions");
+  const int64_t* of = read(of_position, "run_tables: of_position");
+  const int64_t* seq = read(sequence, "run_tables: sequence");
+  const int64_t* kslot = read(key_slots, "run_tables: key_slots");
+  const int64_t* kseq = read(key_sequence, "run_tables: key_sequence");
+  const int64_t* kstart = read(key_sequence_start, "run_tables: key_sequence_start");
+  const int64_t n = positions.numel();
+  const int64_t num_keys = key_slots.numel();
+  const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
+
+  Vec compact(n), local_of_key(num_keys, -1);
+  int64_t work = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = pos[i];
+    TORCH_CHECK(p >= 0 && p < of_position.numel(), "run_tables: position ", p, " out of range");
+    compact[i] = of[p];
+    TORCH_CHECK(compact[i] >= 0 && compact[i] < num_keys && local_of_key[compact[i]] < 0,
+                "run_tables: local position ", p, " is not an owned position of its own");
+    local_of_key[compact[i]] = i;
+    work += compact[i] - kstart[compact[i]] + 1;
+  }
+  // The rank's keys in ascending order (a counting pass: compact keys are distinct).
+  Vec sorted;
+  sorted.reserve(n);
+  for (int64_t k = 0; k < num_keys; ++k) {
+    if (local_of_key[k] >= 0) sorted.push_back(k);
+  }
+  // Spans: sorted keys of one sequence closer than the merge gap.
+  Vec span_lo, span_len, span_first;
+  span_lo.reserve(n), span_len.reserve(n), span_first.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = sorted[i];
+    if (i == 0 || k - sorted[i - 1] > gap_limit || kseq[k] != kseq[sorted[i - 1]]) {
+      span_lo.push_back(k);
+      span_len.push_back(0);
+      span_first.push_back(i);
+    }
+    span_len.back() = k + 1 - span_lo.back();
+  }
+  const int64_t spans = static_cast<int64_t>(span_lo.size());
+  const int64_t span_rows = std::accumulate(span_len.begin(), span_len.end(), int64_t{0});
+
+  bool identity = false;
+  if (span_rows == n) {
+    int64_t runs = n > 0 ? 1 : 0;
+    for (int64_t i = 1; i < n; ++i) {
+      runs += compact[i] - compact[i - 1] != 1 || seq[pos[i]] != seq[pos[i - 1]];
+    }
+    identity = runs == spans;
+  }
+  Vec q_start, q_len, lo;
+  at::Tensor span_source = none(), local_to_span = none();
+  int64_t query_rows;
+  if (identity) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (i == 0 || compact[i] - compact[i - 1] != 1 || seq[pos[i]] != seq[pos[i - 1]]) {
+        q_start.push_back(i);
+        q_len.push_back(0);
+        lo.push_back(compact[i]);
+      }
+      ++q_len.back();
+    }
+    query_rows = n + padding_rows;
+  } else {
+    query_rows = span_rows;
+    q_len = span_len;
+    lo = span_lo;
+    q_start.resize(spans);
+    int64_t* source;
+    int64_t* to_span;
+    std::tie(span_source, source) = alloc(span_rows);
+    std::tie(local_to_span, to_span) = alloc(n);
+    int64_t row = 0;
+    for (int64_t s = 0; s < spans; ++s) {
+      q_start[s] = row;
+      for (int64_t j = 0; j < span_len[s]; ++j) source[row + j] = local_of_key[span_lo[s] + j];
+      row += span_len[s];
+    }
+    for (int64_t s = 0; s < spans; ++s) {
+      const int64_t end = s + 1 < spans ? span_first[s + 1] : n;
+      for (int64_t i = span_first[s]; i < end; ++i) {
+        to_span[local_of_key[sorted[i]]] = sorted[i] - span_lo[s] + q_start[s];
+      }
+    }
+  }
+  const int64_t entries = static_cast<int64_t>(q_len.size());
+  Vec k_start(entries), kv_len(entries);
+  for (int64_t e = 0; e < entries; ++e) {
+    k_start[e] = kstart[lo[e]];
+    kv_len[e] = lo[e] + q_len[e] - k_start[e];
+  }
+  if (longest_first && entries > 1) {
+    Vec order(entries);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return kv_len[a] > kv_len[b]; });
+    auto permute = [&](Vec& v) {
+      Vec out(entries);
+      for (int64_t e = 0; e < entries; ++e) out[e] = v[order[e]];
+      v.swap(out);
+    };
+    permute(q_start), permute(q_len), permute(lo), permute(k_start), permute(kv_len);
+  }
+  // Entries of one sequence share keys: each then writes key gradients to rows of its own.
+  bool materialize = false;
+  if (entries > 1) {
+    Vec seqs(entries);
+    for (int64_t e = 0; e < entries; ++e) seqs[e] = kseq[lo[e]];
+    std::sort(seqs.begin(), seqs.end());
+    materialize = std::adjacent_find(seqs.begin(), seqs.end()) != seqs.end();
+  }
+  Vec mat_start = k_start;
+  at::Tensor kv_source = none();
+  int64_t* kv_src = nullptr;
+  int64_t mat_rows = num_keys;
+  if (materialize) {
+    mat_rows = 0;
+    for (int64_t e = 0; e < entries; ++e) {
+      mat_start[e] = mat_rows;
+      mat_rows += kv_len[e];
+    }
+    std::tie(kv_source, kv_src) = alloc(mat_rows);
+    for (int64_t e = 0; e < entries; ++e) {
+      for (int64_t j = 0; j < kv_len[e]; ++j) kv_src[mat_start[e] + j] = k_start[e] + j;
+    }
+  }
+  // Row j of slot_copies: for each slot, the backward row of its key's j-th copy (rows taken
+  // in ascending order, as a stable sort by key would list them).
+  const int64_t rows = materialize ? mat_rows : num_keys;
+  Vec seen(num_keys, 0);
+  int64_t copies = 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    copies = std::max(copies, ++seen[materialize ? kv_src[r] : r]);
+  }
+  const bool slots_are_rows = !materialize && slots_in_source_order;
+  at::Tensor slot_copies = none();
+  if (!slots_are_rows) {
+    slot_copies = at::full({copies * slots}, -1, at::kLong);
+    int64_t* sc = slot_copies.data_ptr<int64_t>();
+    std::fill(seen.begin(), seen.end(), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t k = materialize ? kv_src[r] : r;
+      sc[seen[k]++ * slots + kslot[k]] = r;
+    }
+  }
+  // Without copies, a key past the rank's last row of its sequence is attended by no entry.
+  bool keys_covered = false;
+  if (entries > 0 && !materialize) {
+    const Vec seq_end = sequence_ends(kseq, num_keys);
+    Vec ends(num_keys, 0);
+    for (int64_t e = 0; e < entries; ++e) ends[k_start[e]] = k_start[e] + kv_len[e];
+    keys_covered = true;
+    int64_t running = 0;
+    for (int64_t k = 0; k < num_keys && keys_covered; ++k) {
+      running = std::max(running, ends[k]);
+      keys_covered = running == seq_end[k];
+    }
+  }
+  std::vector<at::Tensor> out = {tensor(q_start), tensor(q_len),   tensor(k_start),
+                                 tensor(kv_len),  tensor(mat_start), span_source,
+                                 local_to_span,   kv_source,         slot_copies};
+  std::vector<int64_t> flags = {identity,     query_rows, materialize, mat_rows,
+                                keys_covered, copies,     work};
+  return {out, flags};
+}
+
+// The device layout of one kernel call (AttentionRuns._host_tables): per-entry lengths and
+// starts padded to `batch` entries (padding entries and the closing offset point past the last
+// row), and the query row of each padded statistics slot (entry, i) or -1. Returns
+//   seq_len_q, seq_len_kv, q_rows, kv_rows, mat_rows, stats_index.
+std::vector<at::Tensor> call_tables(const at::Tensor& q_start, const at::Tensor& q_len,
+                                    const at::Tensor& k_start, const at::Tensor& kv_len,
+                                    const at::Tensor& mat_start, int64_t batch, int64_t max_q,
+                                    int64_t query_rows, int64_t num_keys, int64_t mat_rows) {
+  const int64_t* qs = read(q_start, "call_tables: q_start");
+  const int64_t* ql = read(q_len, "call_tables: q_len");
+  const int64_t* ks = read(k_start, "call_tables: k_start");
+  const int64_t* kl = read(kv_len, "call_tables: kv_len");
+  const int64_t* ms = read(mat_start, "call_tables: mat_start");
+  const int64_t entries = q_len.numel();
+  TORCH_CHECK(entries <= batch, "call_tables: ", entries, " entries over a batch of ", batch);
+  at::Tensor len_q = at::zeros({batch}, at::kLong), len_kv = at::zeros({batch}, at::kLong);
+  at::Tensor q_rows = at::empty({batch + 1}, at::kLong);
+  at::Tensor kv_rows = at::empty({batch + 1}, at::kLong);
+  at::Tensor m_rows = at::empty({batch + 1}, at::kLong);
+  at::Tensor stats = at::full({batch * max_q}, -1, at::kLong);
+  int64_t *lq = len_q.data_ptr<int64_t>(), *lk = len_kv.data_ptr<int64_t>();
+  int64_t *qr = q_rows.data_ptr<int64_t>(), *kr = kv_rows.data_ptr<int64_t>();
+  int64_t *mr = m_rows.data_ptr<int64_t>(), *st = stats.data_ptr<int64_t>();
+  for (int64_t e = 0; e <= batch; ++e) {
+    const bool real = e < entries;
+    if (e < batch) {
+      lq[e] = real ? ql[e] : 0;
+      lk[e] = real ? kl[e] : 0;
+    }
+    qr[e] = real ? qs[e] : query_rows;
+    kr[e] = real ? ks[e] : num_keys;
+    mr[e] = real ? ms[e] : mat_rows;
+    if (real) {
+      TORCH_CHECK(ql[e] <= max_q, "call_tables: entry of ", ql[e], " rows over max_q ", max_q);
+      for (int64_t i = 0; i < ql[e]; ++i) st[e * max_q + i] = qs[e] + i;
+    }
+  }
+  return {len_q, len_kv, q_rows, kv_rows, m_rows, stats};
+}
+
+// Score elements a tiled kernel computes for entries (attention_blocks._tile_cost): whole query
+// tiles of `tile` rows, a causal tile running to the key bound of its last row.
+double tile_cost(const at::Tensor& q_len, const at::Tensor& kv_len, bool causal, int64_t tile) {
+  const int64_t* q = read(q_len, "tile_cost: q_len");
+  const int64_t* kv = read(kv_len, "tile_cost: kv_len");
+  TORCH_CHECK(kv_len.numel() == q_len.numel() && tile >= 1, "tile_cost: bad arguments");
+  int64_t cost = 0;
+  for (int64_t e = 0; e < q_len.numel(); ++e) {
+    const int64_t tiles = (q[e] + tile - 1) / tile;
+    if (!causal) {
+      cost += tiles * tile * kv[e];
+      continue;
+    }
+    for (int64_t k = 0; k < tiles; ++k) {
+      cost += tile * (kv[e] - q[e] + std::min((k + 1) * tile, q[e]));
+    }
+  }
+  return static_cast<double>(cost);
+}
+
+// One kernel call of the blocked layout (AttentionRuns.from_entries): its entries longest
+// first and, when it runs backward, each entry's own rows of key gradients.
+struct Call {
+  Vec q_start, q_len, k_start, kv_len, mat_start;
+  at::Tensor kv_source = none(), span_source = none(), local_to_span = none();
+  int64_t query_rows = 0, mat_rows = 0;
+
+  void finish(bool backward, int64_t num_keys) {
+    const int64_t entries = static_cast<int64_t>(q_len.size());
+    if (entries > 1) {
+      Vec order(entries);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int64_t a, int64_t b) { return kv_len[a] > kv_len[b]; });
+      for (Vec* v : {&q_start, &q_len, &k_start, &kv_len}) {
+        Vec out(entries);
+        for (int64_t e = 0; e < entries; ++e) out[e] = (*v)[order[e]];
+        v->swap(out);
+      }
+    }
+    if (!backward) {
+      mat_start = k_start;
+      mat_rows = num_keys;
+      return;
+    }
+    mat_start.resize(entries);
+    mat_rows = 0;
+    for (int64_t e = 0; e < entries; ++e) {
+      mat_start[e] = mat_rows;
+      mat_rows += kv_len[e];
+    }
+    int64_t* src;
+    std::tie(kv_source, src) = alloc(mat_rows);
+    for (int64_t e = 0; e < entries; ++e) {
+      for (int64_t j = 0; j < kv_len[e]; ++j) src[mat_start[e] + j] = k_start[e] + j;
+    }
+  }
+
+  void append(std::vector<at::Tensor>& out) const {
+    for (const Vec* v : {&q_start, &q_len, &k_start, &kv_len, &mat_start}) {
+      out.push_back(tensor(*v));
+    }
+    out.insert(out.end(), {kv_source, span_source, local_to_span});
+  }
+};
+
+// The blocked layout of one rank's rows (AttentionBlocks.build). Returns the tensors
+//   order, local_to_sorted, has_bulk (empty: every group has bulk keys), slot_rows (empty when
+//   the slots are the compact keys), then 8 per call (q_start, q_len, k_start, kv_len,
+//   mat_start, kv_source, span_source, local_to_span) for the bulk call (when present), each
+//   diagonal call and each backward level call, then the sorted rows each level call touches;
+// and the ints
+//   groups, identity (the local rows are sorted), bulk present, diagonal calls, level calls,
+//   then per call (bulk, diagonal, levels) its query_rows and mat_rows, then per diagonal call
+//   its first and end sorted row.
+std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
+    const at::Tensor& positions, const at::Tensor& of_position, const at::Tensor& key_slots,
+    const at::Tensor& key_sequence_start, int64_t group_rows, int64_t span_budget, int64_t slots,
+    bool slots_in_source_order) {
+  const int64_t* pos = read(positions, "block_tables: positions");
+  const int64_t* of = read(of_position, "block_tables: of_position");
+  const int64_t* kslot = read(key_slots, "block_tables: key_slots");
+  const int64_t* kstart = read(key_sequence_start, "block_tables: key_sequence_start");
+  const int64_t n = positions.numel();
+  const int64_t num_keys = key_slots.numel();
+  TORCH_CHECK(n > 0, "block_tables: the blocked layout needs rows");
+  TORCH_CHECK(group_rows >= 1, "block_tables: group_rows must be positive, got ", group_rows);
+
+  Vec local_of_key(num_keys, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), "block_tables: position ", pos[i],
+                " out of range");
+    const int64_t k = of[pos[i]];
+    TORCH_CHECK(k >= 0 && k < num_keys && local_of_key[k] < 0, "block_tables: local position ",
+                pos[i], " is not an owned position of its own");
+    local_of_key[k] = i;
+  }
+  Vec sorted, order, sorted_of_key(num_keys, -1);
+  sorted.reserve(n), order.reserve(n);
+  for (int64_t k = 0; k < num_keys; ++k) {
+    if (local_of_key[k] < 0) continue;
+    sorted_of_key[k] = static_cast<int64_t>(sorted.size());
+    sorted.push_back(k);
+    order.push_back(local_of_key[k]);
+  }
+  bool identity = true;
+  Vec local_to_sorted(n);
+  for (int64_t i = 0; i < n; ++i) {
+    identity = identity && order[i] == i;
+    local_to_sorted[order[i]] = i;
+  }
+  // Groups: up to group_rows consecutive sorted rows of one sequence.
+  Vec first, length, lo, hi, start, index, size;
+  for (Vec* v : {&first, &length, &lo, &hi, &start, &index, &size}) v->reserve(n / group_rows + 64);
+  int64_t seq_first = 0, seq_groups = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool new_seq = i == 0 || kstart[sorted[i]] != kstart[sorted[i - 1]];
+    if (new_seq) {  // the previous sequence's groups now know their count
+      const int64_t groups_so_far = static_cast<int64_t>(size.size());
+      for (int64_t g = groups_so_far - seq_groups; g < groups_so_far; ++g) size[g] = seq_groups;
+      seq_first = i, seq_groups = 0;
+    }
+    if (new_seq || (i - seq_first) % group_rows == 0) {
+      first.push_back(i);
+      length.push_back(0);
+      lo.push_back(sorted[i]);
+      hi.push_back(sorted[i]);
+      start.push_back(kstart[sorted[i]]);
+      index.push_back((i - seq_first) / group_rows);
+      size.push_back(0);
+      ++seq_groups;
+    }
+    ++length.back();
+    hi.back() = sorted[i];
+  }
+  const int64_t groups = static_cast<int64_t>(first.size());
+  for (int64_t g = groups - seq_groups; g < groups; ++g) size[g] = seq_groups;
+
+  std::vector<Call> calls;
+  std::vector<int64_t> call_meta;
+  // The bulk: every group's unmasked key prefix, forward only.
+  Vec has_bulk;
+  bool all_bulk = true, any_bulk = false;
+  for (int64_t g = 0; g < groups; ++g) {
+    all_bulk = all_bulk && lo[g] > start[g];
+    any_bulk = any_bulk || lo[g] > start[g];
+  }
+  if (!all_bulk) {
+    has_bulk.reserve(n);
+    for (int64_t g = 0; g < groups; ++g) {
+      has_bulk.insert(has_bulk.end(), length[g], lo[g] > start[g]);
+    }
+  }
+  if (any_bulk) {
+    Call c;
+    for (int64_t g = 0; g < groups; ++g) {
+      if (lo[g] <= start[g]) continue;
+      c.q_start.push_back(first[g]), c.q_len.push_back(length[g]);
+      c.k_start.push_back(start[g]), c.kv_len.push_back(lo[g] - start[g]);
+    }
+    c.query_rows = n;
+    c.finish(false, num_keys);
+    calls.push_back(std::move(c));
+  }
+  // Diagonal spans, at most span_budget span rows a call (at least one group).
+  Vec diag_bounds;
+  int64_t diagonal = 0;
+  for (int64_t g = 0; g < groups;) {
+    int64_t e = g, total = 0;
+    while (e < groups && (e == g || total + hi[e] - lo[e] + 1 <= span_budget)) {
+      total += hi[e] - lo[e] + 1;
+      ++e;
+    }
+    Call c;
+    c.query_rows = total;
+    int64_t *source, *to_span;
+    std::tie(c.span_source, source) = alloc(total);
+    std::tie(c.local_to_span, to_span) = alloc(first[e - 1] + length[e - 1] - first[g]);
+    int64_t row = 0;
+    for (int64_t h = g; h < e; ++h) {
+      const int64_t len = hi[h] - lo[h] + 1;
+      c.q_start.push_back(row), c.q_len.push_back(len);
+      c.k_start.push_back(lo[h]), c.kv_len.push_back(len);
+      for (int64_t j = 0; j < len; ++j) source[row + j] = sorted_of_key[lo[h] + j];
+      for (int64_t i = first[h]; i < first[h] + length[h]; ++i)
+        to_span[i - first[g]] = row + sorted[i] - lo[h];
+      row += len;
+    }
+    diag_bounds.push_back(first[g]);
+    diag_bounds.push_back(first[e - 1] + length[e - 1]);
+    c.finish(true, num_keys);
+    calls.push_back(std::move(c));
+    ++diagonal;
+    g = e;
+  }
+  // The backward's bulk, re-cut so that no call holds two entries with the same keys: pieces
+  // j == i first, then one call per level of the pairs j < i.
+  Vec piece_start(groups);
+  for (int64_t g = 0; g < groups; ++g) piece_start[g] = index[g] == 0 ? start[g] : lo[g - 1];
+  std::vector<at::Tensor> touched;
+  auto level_call = [&](Call&& c) {
+    c.query_rows = n;
+    c.finish(true, num_keys);
+    const int64_t rows = std::accumulate(c.q_len.begin(), c.q_len.end(), int64_t{0});
+    auto [t, row] = alloc(rows);
+    for (size_t e = 0; e < c.q_len.size(); ++e)
+      for (int64_t j = 0; j < c.q_len[e]; ++j) *row++ = c.q_start[e] + j;
+    touched.push_back(t);
+    calls.push_back(std::move(c));
+  };
+  {
+    Call c;
+    for (int64_t g = 0; g < groups; ++g) {
+      if (lo[g] <= piece_start[g]) continue;
+      c.q_start.push_back(first[g]), c.q_len.push_back(length[g]);
+      c.k_start.push_back(piece_start[g]), c.kv_len.push_back(lo[g] - piece_start[g]);
+    }
+    if (!c.q_len.empty()) level_call(std::move(c));
+  }
+  const int64_t max_size = *std::max_element(size.begin(), size.end());
+  for (int64_t half = 1; half < max_size; half *= 2) {
+    Call c;
+    for (int64_t g = 0; g < groups; ++g) {
+      if (index[g] % (2 * half) != half) continue;  // a leader opens its block's right half
+      const int64_t last = g + std::min(half, size[g] - index[g]) - 1;
+      const int64_t k_start = piece_start[g - half];
+      const int64_t kv_len = lo[g - 1] - k_start;
+      if (kv_len <= 0) continue;
+      c.q_start.push_back(first[g]), c.q_len.push_back(first[last] + length[last] - first[g]);
+      c.k_start.push_back(k_start), c.kv_len.push_back(kv_len);
+    }
+    if (!c.q_len.empty()) level_call(std::move(c));
+  }
+
+  Vec slot_rows;
+  if (!slots_in_source_order) {
+    slot_rows.assign(slots, -1);
+    for (int64_t k = 0; k < num_keys; ++k) slot_rows[kslot[k]] = k;
+  }
+  std::vector<at::Tensor> out = {tensor(order), tensor(local_to_sorted), tensor(has_bulk),
+                                 tensor(slot_rows)};
+  std::vector<int64_t> meta = {groups, identity, any_bulk, diagonal,
+                               static_cast<int64_t>(touched.size())};
+  for (const Call& c : calls) {
+    c.append(out);
+    meta.push_back(c.query_rows), meta.push_back(c.mat_rows);
+  }
+  out.insert(out.end(), touched.begin(), touched.end());
+  meta.insert(meta.end(), diag_bounds.begin(), diag_bounds.end());
+  return {out, meta};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megatron_cp_host, m) {
+  m.def("compact_keys(Tensor row_source, Tensor sequence) -> Tensor[]", &compact_keys);
+  m.def(
+      "run_tables(Tensor positions, Tensor of_position, Tensor sequence, Tensor key_slots, "
+      "Tensor key_sequence, Tensor key_sequence_start, int padding_rows, int merge_gap, "
+      "bool longest_first, int slots, bool slots_in_source_order) -> (Tensor[], int[])",
+      &run_tables);
+  m.def(
+      "call_tables(Tensor q_start, Tensor q_len, Tensor k_start, Tensor kv_len, "
+      "Tensor mat_start, int batch, int max_q, int query_rows, int num_keys, int mat_rows) "
+      "-> Tensor[]",
+      &call_tables);
+  m.def("tile_cost(Tensor q_len, Tensor kv_len, bool causal, int tile) -> float", &tile_cost);
+  m.def(
+      "block_tables(Tensor positions, Tensor of_position, Tensor key_slots, "
+      "Tensor key_sequence_start, int group_rows, int span_budget, int slots, "
+      "bool slots_in_source_order) -> (Tensor[], int[])",
+      &block_tables);
+}
+
+}  // namespace megatron_cp_host
+
+// Importing megatron.context_parallel._host registers the ops above; the module itself is empty.
+extern "C" PyObject* PyInit__host(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
