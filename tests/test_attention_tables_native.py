@@ -168,3 +168,29 @@ def test_tile_cost_equals_the_reference(entries, causal, tile):
     with pytest.MonkeyPatch.context() as mp:
         native, reference = _both(mp, _tile_cost, q_len, kv_len, causal, tile)
     assert native == reference
+
+
+def test_device_tables_are_the_host_tables_in_one_copy():
+    # ``on`` moves every call's tables in one packed copy; the kernel's lengths arrive as
+    # int32 [batch, 1, 1, 1], everything else as the host's int64 tables.
+    plan, cu = _drawn_plan(7, 2, 300, True, 0.1)
+    sequence = _sequence(plan.seq_len, cu)
+    blocks = AttentionBlocks.build(plan, 0, sequence, group_rows=4, span_budget=40)
+    runs = AttentionRuns.build(plan, 1, sequence)
+    for call in blocks.calls() + [runs]:
+        host, dev = call._host_tables(), call.on("cpu")
+        for name, value in host.items():
+            moved = getattr(dev, name)
+            if value is None:
+                assert moved is None, name
+            elif name in ("seq_len_q", "seq_len_kv"):
+                assert moved.dtype == torch.int32 and moved.shape == (call.batch, 1, 1, 1)
+                assert torch.equal(moved.flatten().long(), value), name
+            else:
+                assert moved.dtype == torch.int64 and torch.equal(moved, value), name
+    dev = blocks.on("cpu")
+    assert len(blocks.levels) > 1 and len(blocks.diagonal) > 1
+    for moved, host in zip(dev.touched, blocks.touched):
+        assert torch.equal(moved, host)
+    if blocks.has_bulk is not None:
+        assert torch.equal(dev.has_bulk.flatten(), blocks.has_bulk)
