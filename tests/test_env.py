@@ -166,3 +166,31 @@ def test_loader_rejects_a_bad_value(fresh_loader):
     fresh_loader.setenv("MCP_DISABLE_EXTENSION", "sometimes")
     with pytest.raises(ValueError, match="MCP_DISABLE_EXTENSION='sometimes'"):
         _extension.load()
+
+
+def test_host_tables_loader_outcomes(monkeypatch):
+    # The host-table library follows the same switches: disabled -> None (torch-op tables),
+    # required but missing -> ImportError, broken -> one warning and None.
+    for name in ("MCP_REQUIRE_EXTENSION", "MCP_DISABLE_EXTENSION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_extension, "_host_state", None)
+    monkeypatch.setenv("MCP_DISABLE_EXTENSION", "1")
+    monkeypatch.setenv("MCP_REQUIRE_EXTENSION", "1")
+    assert _extension.host_tables() is None
+
+    monkeypatch.setattr(_extension, "_host_state", None)
+    monkeypatch.delenv("MCP_DISABLE_EXTENSION")
+    monkeypatch.setattr(_extension, "_HOST_MODULE", "megatron.context_parallel._no_such_module")
+    with pytest.raises(ImportError, match="is not built: the package was installed without"):
+        _extension.host_tables()
+
+    monkeypatch.setattr(_extension, "_host_state", None)
+    monkeypatch.delenv("MCP_REQUIRE_EXTENSION")
+    monkeypatch.setattr(_extension, "_HOST_MODULE", "megatron.context_parallel.plan")
+    monkeypatch.setattr(_extension, "_import_host_module", _fail_import)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _extension.host_tables() is None
+        assert _extension.host_tables() is None
+    assert [type(w.message) for w in caught] == [RuntimeWarning]
+    assert "undefined symbol" in str(caught[0].message)

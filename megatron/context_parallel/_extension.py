@@ -112,6 +112,10 @@ def warn_fallback_once(op: str) -> None:
     )
 
 
+def _import_host_module() -> None:
+    importlib.import_module(_HOST_MODULE)
+
+
 def host_tables():
     """``torch.ops.megatron_cp_host`` (the C++ builders of the attention tables, CPU tensors
     only), or None where they are not built or disabled: callers then build the same tables
@@ -129,7 +133,7 @@ def host_tables():
             _host_state = ("not built", "the package was installed without its host tables")
         else:
             try:
-                importlib.import_module(_HOST_MODULE)
+                _import_host_module()
                 _host_state = ("loaded", "")
             except Exception as exc:  # noqa: BLE001 - any load failure means "broken"
                 _host_state = ("broken", f"{type(exc).__name__}: {exc}")
