@@ -24,8 +24,13 @@ batches of random plans.
 heads, FFN 17,408), S = 20,436, the uneven plan's rank-0 rows run at CP 1 (a world-1 group,
 rows permuted), forward+backward time and the share of attention in it (megatron-core needed).
 
+``--tables-only`` (CPU or GPU) times only the per-batch tables of every case, built by the C++
+builders (``megatron.context_parallel._host``) and by the torch-op reference in turns, each
+including the copy to the device: the host cost a micro-batch pays before its first layer.
+
 Usage: python benchmarks/bench_attention.py [--sizes 20436,131072] [--reps 5] [--no-flex]
                                             [--model] [--out DIR]
+       python benchmarks/bench_attention.py --tables-only [--sizes ...] [--reps 20]
 """
 
 from __future__ import annotations
@@ -502,6 +507,51 @@ def model_row(device, reps):
     }
 
 
+def tables_only(sizes, reps, device):
+    """Per case: ms to build this rank's tables and copy them to ``device`` (best of ``reps``
+    rounds, the two builders in turns), C++ and torch ops; Markdown rows."""
+    from megatron.context_parallel import _extension
+
+    native_ops = _extension.host_tables()
+    if native_ops is None:
+        raise SystemExit("the C++ table builders are not built (pip install -e . builds them)")
+
+    def build(plan, rank, sequence, native):
+        _extension.host_tables = (lambda: native_ops) if native else (lambda: None)
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tables = build_attention_tables(plan, rank, sequence)
+            tables.on(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return (time.perf_counter() - t0) * 1e3, tables
+        finally:
+            _extension.host_tables = loader
+
+    loader = _extension.host_tables
+    lines = [
+        "| case | S | layout | C++ ms | torch ops ms | torch ops / C++ |",
+        "|---|---|---|---|---|---|",
+    ]
+    for seq_len in sizes:
+        for name, plan, rank, cu in cases(seq_len):
+            sequence = _sequence(plan.seq_len, cu)
+            best = {True: float("inf"), False: float("inf")}
+            for _ in range(reps + 2):  # two warm-up rounds
+                for native in (True, False):
+                    ms, tables = build(plan, rank, sequence, native)
+                    best[native] = min(best[native], ms)
+            layout = type(tables).__name__.replace("Attention", "").lower()
+            lines.append(
+                f"| {name} | {seq_len} | {layout} | {best[True]:.3f} | {best[False]:.2f} | "
+                f"{best[False] / best[True]:.1f} |"
+            )
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
@@ -530,8 +580,14 @@ def main():
     parser.add_argument("--cases", default="", help="only cases whose name contains one of these")
     parser.add_argument("--block-variants", action="store_true", help="other blocked settings")
     parser.add_argument("--no-graph-builds", action="store_true")
+    parser.add_argument("--tables-only", action="store_true", help="only the per-batch tables")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    if args.tables_only:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"tables on {device} (host: {os.cpu_count()} cores, torch {torch.__version__})")
+        print(tables_only([int(s) for s in args.sizes.split(",")], args.reps, device))
+        return
     device = torch.device("cuda")
     results = {"rows": [], "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for seq_len in (int(s) for s in args.sizes.split(",")):
