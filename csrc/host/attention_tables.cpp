@@ -1,8 +1,9 @@
 // Host builders of the fused attention's per-batch tables, registered as CPU torch ops
 // (namespace megatron_cp_host).
 //
-// megatron/context_parallel/attention_runs.py holds the definitions and a torch-op reference
-// of each builder; the two are kept equal field by field (tests/test_attention_tables_native.py).
+// megatron/context_parallel/attention_runs.py and attention_blocks.py hold the definitions, a
+// torch-op reference of each builder; the two are kept equal field by field
+// (tests/test_attention_tables_native.py).
 // The reference issues about a hundred small torch ops per batch, each paying the dispatcher
 // and an allocation: milliseconds on the host where one layer's attention takes tens of them.
 // Here every table is one or two linear passes over the batch's rows.
@@ -235,6 +236,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
     std::fill(seen.begin(), seen.end(), 0);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t k = materialize ? kv_src[r] : r;
+      TORCH_CHECK(kslot[k] >= 0 && kslot[k] < slots, "run_tables: key slot ", kslot[k],
+                  " outside the ", slots, " slots");
       sc[seen[k]++ * slots + kslot[k]] = r;
     }
   }
@@ -536,7 +539,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
   Vec slot_rows;
   if (!slots_in_source_order) {
     slot_rows.assign(slots, -1);
-    for (int64_t k = 0; k < num_keys; ++k) slot_rows[kslot[k]] = k;
+    for (int64_t k = 0; k < num_keys; ++k) {
+      TORCH_CHECK(kslot[k] >= 0 && kslot[k] < slots, "block_tables: key slot ", kslot[k],
+                  " outside the ", slots, " slots");
+      slot_rows[kslot[k]] = k;
+    }
   }
   std::vector<at::Tensor> out = {tensor(order), tensor(local_to_sorted), tensor(has_bulk),
                                  tensor(slot_rows)};
