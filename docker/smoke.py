@@ -127,6 +127,10 @@ def main(argv=None) -> int:
     )
     if args.require_cuda and outcome != "loaded":
         failures.append(f"the CUDA extension is required but is {outcome}: {reason}")
+    host, host_reason = _extension.host_status()
+    print(f"  attention host tables: {host}{f' ({host_reason})' if host_reason else ''}")
+    if args.require_cuda and host != "loaded":
+        failures.append(f"the host tables are required with the kernels but are {host}")
 
     _check_cases("cpu row ops", lambda: _row_op_cases(torch.device("cpu")), failures)
     _check_cases("cpu gather", lambda: _gather_cases(torch.device("cpu")), failures)

@@ -115,7 +115,8 @@ def test_install_script_pure_python_path_then_smoke(tmp_path):
     assert "torch==" in result.stdout  # the guard saw the torch it protects
 
     # Outside the source tree, so the installed copy is what imports. One run checks both
-    # outcomes: everything passes except the CUDA requirement, which this machine cannot meet.
+    # outcomes: everything passes except the CUDA requirement, which this machine cannot meet
+    # (and the host tables, which a pure-Python install leaves out).
     smoke = [python, str(context / "docker" / "smoke.py")]
     result = subprocess.run(
         smoke + ["--expect-megatron-core", _megatron_core_version(), "--require-cuda"],
@@ -133,8 +134,10 @@ def test_install_script_pure_python_path_then_smoke(tmp_path):
     assert "integration imports" in out
     failures = [line for line in out.splitlines() if line.startswith("  - ")]
     assert failures == [
-        "  - the CUDA extension is required but is not built: torch was built without CUDA"
+        "  - the CUDA extension is required but is not built: torch was built without CUDA",
+        "  - the host tables are required with the kernels but are not built",
     ], out
+    assert "attention host tables: not built" in out
 
 
 def _megatron_core_version() -> str:

@@ -31,7 +31,7 @@ import torch
 
 from megatron.context_parallel._env import env_flag
 
-__all__ = ["host_tables", "load", "status", "warn_fallback_once"]
+__all__ = ["host_status", "host_tables", "load", "status", "warn_fallback_once"]
 
 _MODULE = "megatron.context_parallel._C"
 _HOST_MODULE = "megatron.context_parallel._host"
@@ -152,3 +152,12 @@ def host_tables():
             f"{_host_state[1]}"
         )
     return None
+
+
+def host_status() -> Tuple[str, str]:
+    """``(outcome, reason)`` of :func:`host_tables`, as :func:`status` tells of the kernels.
+
+    Raises as ``host_tables`` does."""
+    host_tables()
+    assert _host_state is not None
+    return _host_state
