@@ -117,12 +117,24 @@ def build_layer(args, dtype: torch.dtype) -> ContextParallelGatedDeltaNet:
     return layer.to(args.device)
 
 
-def _fwd_bwd(forward: Callable[[], Sequence[torch.Tensor]]) -> Callable[[], None]:
-    """A call that runs ``forward`` and backpropagates ones through all its outputs."""
+def _fwd_bwd(
+    forward: Callable[[], Sequence[torch.Tensor]], leaves: Sequence[torch.Tensor]
+) -> Callable[[], None]:
+    """A call that runs ``forward`` and backpropagates ones through all its outputs.
+
+    In the layer these activations' gradients are produced once and consumed by the next
+    step back; here they are leaves, so each call first drops the previous call's gradients
+    (else autograd would add into them, a read-modify-write the layer never does). The output
+    gradients are made once, outside the timed calls."""
+    grads: list = []
 
     def call():
+        for leaf in leaves:
+            leaf.grad = None
         outs = forward()
-        torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
+        if not grads:
+            grads.extend(torch.ones_like(o) for o in outs)
+        torch.autograd.backward(list(outs), grads)
 
     return call
 
@@ -164,6 +176,17 @@ def measure(args) -> Dict[str, float]:
         back = permute_rows(mixed, tables.from_source, tables.to_source)
         return send, mine, back, layer._side_by_side(returned, n, cp)
 
+    def reorders_autograd_cat():
+        # The same with the head blocks cut by split / transpose / cat under autograd (the
+        # package's code before session 17), for the side-by-side row.
+        sections = torch.split(local, list(layer.in_proj_split_sections), dim=1)
+        send = torch.cat(
+            [s.reshape(n, cp, s.shape[1] // cp).transpose(0, 1) for s in sections], dim=2
+        ).reshape(cp * n, -1)
+        mine = permute_rows(received, tables.to_source, tables.from_source)
+        back = permute_rows(mixed, tables.from_source, tables.to_source)
+        return send, mine, back, layer._side_by_side(returned, n, cp)
+
     def mixing():
         return (layer._mix(received, tables, 0, cp),)
 
@@ -183,6 +206,7 @@ def measure(args) -> Dict[str, float]:
         out, _ = layer.out_proj(normed)
         return projected, out
 
+    activations = (hidden, local, received, mixed, returned, normed)
     pieces = (
         ("reorders", reorders),
         ("rule_and_conv", rule_and_conv),
@@ -202,7 +226,9 @@ def measure(args) -> Dict[str, float]:
         chunk_o.TRITON_ABOVE_3_7_1 = True
     try:
         for name, fn in pieces:
-            ms[name] = time_ms(_fwd_bwd(fn), torch.device(device), args.reps, args.warmup)
+            ms[name] = time_ms(
+                _fwd_bwd(fn, activations), torch.device(device), args.reps, args.warmup
+            )
     except RuntimeError as exc:
         if "3.7.1" not in str(exc):
             raise
@@ -210,6 +236,9 @@ def measure(args) -> Dict[str, float]:
         print(f"backward not timed: {str(exc)[:200]}")
         ms.update(local_rows=n, owned_rows=owned, tables_host=host)
         return ms
+    ms["reorders_autograd_cat"] = time_ms(
+        _fwd_bwd(reorders_autograd_cat, activations), torch.device(device), args.reps, args.warmup
+    )
     ms["tables_host"] = host
     ms["layer"] = ms["reorders"] + ms["mixing"] + ms["projections"]
     ms["overhead_of_layer"] = ms["reorders"] / ms["layer"]
@@ -233,6 +262,10 @@ def table(args, ms: Dict[str, float]) -> str:
         return _markdown(args, ms, rows)
     rows += [
         ("reorders fwd+bwd (package)", f"{ms['reorders']:.3f} ms"),
+        (
+            "same, head blocks by split / cat under autograd",
+            f"{ms['reorders_autograd_cat']:.3f} ms",
+        ),
         ("conv + gated delta rule fwd+bwd", f"{ms['rule_and_conv']:.3f} ms"),
         ("mixing fwd+bwd (conv, rule, gates, norm)", f"{ms['mixing']:.3f} ms"),
         ("in/out projections fwd+bwd", f"{ms['projections']:.3f} ms"),

@@ -257,3 +257,39 @@ def test_permute_rows_moves_rows_and_gradients_exactly():
     assert torch.equal(src.grad, expected)
     with pytest.raises(ValueError, match="a permutation of 11 rows"):
         permute_rows(src, index[:5], inverse)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_head_blocks_move_columns_and_gradients_exactly(cp, dtype):
+    """Block ``c`` of ``_head_blocks`` holds the ``c``-th ``1/cp`` of every section; the
+    gradient goes back to the same columns. The reference indexes columns one by one."""
+    from megatron.context_parallel.gdn import ContextParallelGatedDeltaNet
+
+    sections = [2 * cp, 3 * cp, cp, 4 * cp]
+    layer = ContextParallelGatedDeltaNet.__new__(ContextParallelGatedDeltaNet)
+    layer.in_proj_split_sections = sections
+    g = torch.Generator().manual_seed(cp)
+    n, width = 5, sum(sections)
+    # A column slice of a wider buffer: the rows need not be contiguous.
+    local = torch.randn(n, width + 3, generator=g).to(dtype)[:, 1 : width + 1].requires_grad_()
+    columns = []  # for each block c, the source columns side by side
+    for c in range(cp):
+        start = 0
+        for w in sections:
+            part = w // cp
+            columns += [start + c * part + j for j in range(part)]
+            start += w
+    columns = torch.tensor(columns).view(cp, -1)
+    out = layer._head_blocks(local, cp)
+    expected = torch.cat([local.detach()[:, columns[c]] for c in range(cp)])
+    assert out.shape == (cp * n, width // cp)
+    assert torch.equal(out, expected)
+    grad = torch.randn(cp * n, width // cp, generator=g).to(dtype)
+    out.backward(grad)
+    want = torch.zeros(n, width, dtype=dtype)
+    for c in range(cp):
+        want[:, columns[c]] = grad[c * n : (c + 1) * n]
+    assert torch.equal(local.grad, want)
+    # A rank that owns no rows sends empty blocks.
+    assert layer._head_blocks(local.detach()[:0], cp).shape == (0, width // cp)

@@ -160,6 +160,51 @@ def _causal_depthwise_conv(
     return out if bias is None else out + bias
 
 
+class _HeadBlocks(torch.autograd.Function):
+    """``[n, D]`` rows -> ``[cp * n, D / cp]`` head blocks; the backward is the inverse.
+
+    ``D`` is the sum of ``sections`` (each divisible by ``cp``); block ``c`` holds, side by
+    side, the ``c``-th ``1/cp`` of every section. Both directions write one output buffer by
+    one strided copy per section: autograd through ``split`` / ``transpose`` / ``cat`` would
+    copy the gradient twice (the reshape of the transposed gradient, then ``cat``), and at
+    Qwen3.5-27B's shape each copy of the layer's projected rows is ~370 MB.
+    """
+
+    @staticmethod
+    def forward(ctx, local: Tensor, sections: Tuple[int, ...], cp: int) -> Tensor:
+        n = local.shape[0]
+        ctx.sections, ctx.cp = sections, cp
+        width = local.shape[1] // cp
+        blocks = local.new_empty(cp, n, width)
+        _copy_sections(local, blocks, sections, cp, to_blocks=True)
+        return blocks.view(cp * n, width)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cp = ctx.cp
+        n = grad.shape[0] // cp
+        width = grad.shape[1]
+        rows = grad.new_empty(n, width * cp)
+        _copy_sections(rows, grad.reshape(cp, n, width), ctx.sections, cp, to_blocks=False)
+        return rows, None, None
+
+
+def _copy_sections(
+    rows: Tensor, blocks: Tensor, sections: Sequence[int], cp: int, to_blocks: bool
+) -> None:
+    """Copy between ``rows`` ``[n, D]`` and ``blocks`` ``[cp, n, D / cp]``, section by section."""
+    col, blk = 0, 0
+    for width in sections:
+        part = width // cp
+        in_rows = rows[:, col : col + width].unflatten(1, (cp, part)).transpose(0, 1)
+        in_blocks = blocks[:, :, blk : blk + part]
+        if to_blocks:
+            in_blocks.copy_(in_rows)
+        else:
+            in_rows.copy_(in_blocks)
+        col, blk = col + width, blk + part
+
+
 class ContextParallelGatedDeltaNet(GatedDeltaNet):
     """megatron-core's ``GatedDeltaNet`` that runs under any ``ContextParallelPlan``.
 
@@ -265,13 +310,8 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
 
     def _head_blocks(self, local: Tensor, cp: int) -> Tensor:
         """``[n, D]`` -> ``[cp * n, D / cp]``: block ``c`` holds the ``c``-th ``1/cp`` of every
-        section (q, k, v, z, beta, alpha) of the ``n`` rows, in one copy."""
-        n = local.shape[0]
-        sections = torch.split(local, list(self.in_proj_split_sections), dim=1)
-        blocks = torch.cat(
-            [s.reshape(n, cp, s.shape[1] // cp).transpose(0, 1) for s in sections], dim=2
-        )
-        return blocks.reshape(cp * n, blocks.shape[2])
+        section (q, k, v, z, beta, alpha) of the ``n`` rows, in one copy each way."""
+        return _HeadBlocks.apply(local, tuple(self.in_proj_split_sections), cp)
 
     @staticmethod
     def _side_by_side(received: Tensor, rows: int, cp: int) -> Tensor:
