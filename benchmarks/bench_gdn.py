@@ -169,20 +169,17 @@ def measure(args) -> Dict[str, float]:
         layer.conv1d.weight[:, 0], [layer.qk_dim, layer.qk_dim, layer.v_dim], 0, cp
     )
 
-    def reorders():
-        # The package's own steps around the two all-to-alls (gdn.py), nothing else.
-        send = layer._head_blocks(local, cp)
-        mine = permute_rows(received, tables.to_source, tables.from_source)
-        back = permute_rows(mixed, tables.from_source, tables.to_source)
-        return send, mine, back, layer._side_by_side(returned, n, cp)
-
-    def reorders_autograd_cat():
-        # The same with the head blocks cut by split / transpose / cat under autograd (the
-        # package's code before session 17), for the side-by-side row.
+    def cut_by_autograd_cat():
+        # The head blocks cut by split / transpose / cat under autograd, as before
+        # ``gdn._HeadBlocks``: its backward copies the gradient twice (the side-by-side row).
         sections = torch.split(local, list(layer.in_proj_split_sections), dim=1)
-        send = torch.cat(
+        return torch.cat(
             [s.reshape(n, cp, s.shape[1] // cp).transpose(0, 1) for s in sections], dim=2
         ).reshape(cp * n, -1)
+
+    def reorders(cut=lambda: layer._head_blocks(local, cp)):
+        # The package's own steps around the two all-to-alls (gdn.py), nothing else.
+        send = cut()
         mine = permute_rows(received, tables.to_source, tables.from_source)
         back = permute_rows(mixed, tables.from_source, tables.to_source)
         return send, mine, back, layer._side_by_side(returned, n, cp)
@@ -237,7 +234,10 @@ def measure(args) -> Dict[str, float]:
         ms.update(local_rows=n, owned_rows=owned, tables_host=host)
         return ms
     ms["reorders_autograd_cat"] = time_ms(
-        _fwd_bwd(reorders_autograd_cat, activations), torch.device(device), args.reps, args.warmup
+        _fwd_bwd(lambda: reorders(cut_by_autograd_cat), activations),
+        torch.device(device),
+        args.reps,
+        args.warmup,
     )
     ms["tables_host"] = host
     ms["layer"] = ms["reorders"] + ms["mixing"] + ms["projections"]
