@@ -162,7 +162,8 @@ def extra_peak(fn, kept_bytes):
 
 
 def _sdpa_times(n, reps, device):
-    """(fwd ms, fwd+bwd ms) of cuDNN causal SDPA over one sequence of ``n`` tokens."""
+    """(fwd ms, fwd+bwd ms, extra GiB fwd+bwd) of cuDNN causal SDPA over one sequence of ``n``
+    tokens."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = torch.Generator(device=device).manual_seed(n)
@@ -183,12 +184,23 @@ def _sdpa_times(n, reps, device):
         torch.autograd.backward(fwd(), do)
         q.grad = k.grad = v.grad = None
 
+    def grads():
+        torch.autograd.backward(fwd(), do)
+        out = (q.grad, k.grad, v.grad)
+        q.grad = k.grad = v.grad = None
+        return out
+
     t = time_round_robin({"fwd": fwd, "both": both}, device, reps, 1)
-    return t["fwd"], t["both"]
+    # The floor's own extra memory, counted as ours is: beyond its inputs, output and gradients.
+    row_bytes = q.numel() * q.element_size()
+    kv_bytes = 2 * k.numel() * k.element_size()
+    extra = extra_peak(grads, 2 * row_bytes + kv_bytes)
+    return t["fwd"], t["both"], extra
 
 
 def sdpa_floor(lengths, reps, device):
-    """{length: (fwd ms, fwd+bwd ms)} of cuDNN causal SDPA over one sequence of each length."""
+    """{length: (fwd ms, fwd+bwd ms, extra GiB fwd+bwd)} of cuDNN causal SDPA over one sequence
+    of each length (its extra memory as ``extra_peak`` counts ours)."""
     return {n: _sdpa_times(n, reps, device) for n in sorted(set(lengths))}
 
 
@@ -338,6 +350,9 @@ def bench_case(
         "ours fwd+bwd x": t["ours fwd+bwd"] / floor_b,
         "extra GiB fwd": mem_f,
         "extra GiB fwd+bwd": mem_b,
+        # The whole-sequence floor's (each sequence's, THD: the largest): its backward's own
+        # workspace, what cuDNN needs beyond Q/K/V/O and their gradients.
+        "floor extra GiB fwd+bwd": max(floor[m][2] for m, _ in shares),
         "max err vs fp32": err,
         "tables ms": case.build_ms,
         "tables % of fwd+bwd": 100 * case.build_ms / t["ours fwd+bwd"],
@@ -633,7 +648,8 @@ def main():
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     cols = ["case", "S", "rows", "ours fwd x", "ours fwd+bwd x", "flex fwd x", "flex fwd+bwd x"]
-    cols += ["dense fwd x", "extra GiB fwd", "extra GiB fwd+bwd", "max err vs fp32", "tables ms"]
+    cols += ["dense fwd x", "extra GiB fwd", "extra GiB fwd+bwd", "floor extra GiB fwd+bwd"]
+    cols += ["max err vs fp32", "tables ms"]
     cols += ["tables % of fwd+bwd"]
     if args.compare_layouts:
         cols += ["tables", "runs fwd x", "runs fwd+bwd x", "blocks fwd x", "blocks fwd+bwd x"]

@@ -1,13 +1,15 @@
 """What the package adds to a Gated DeltaNet layer under CP, against the layer's own work.
 
 ``ContextParallelGatedDeltaNet`` wraps the layer's sequence mixing in an exchange: on the way in,
-this rank's projected rows are cut into per-rank head blocks (one copy), and the rows received
-by the all-to-all are put in source order (``ops.permute_rows``); on the way out the mixed rows
-go back to receive order (``permute_rows``) and the received head blocks are put side by side
-(one copy). Once per batch the index tables (``HeadShardRows.build``) are built on the host.
-This script times those on one rank, forward + backward, against the same rank's layer: the
-projections on its rows and the convolution + gated delta rule (+ gates and norm) on its head
-shard of every owned row. The all-to-all itself is not timed (it needs several GPUs).
+this rank's projected rows are cut into per-rank head blocks of the query, key, value, beta and
+alpha columns, the gate staying home (one copy, ``gdn._SendBlocks``), and the rows received by
+the all-to-all are put in source order (``ops.permute_rows``); on the way out the rule's output
+rows go back to receive order (``permute_rows``) and the received head blocks are put side by
+side (one copy), where the gated norm runs. Once per batch the index tables
+(``HeadShardRows.build``) are built on the host. This script times those on one rank, forward
++ backward, against the same rank's layer: the projections on its rows, the convolution + gated
+delta rule on its head shard of every owned row and the gated norm on its rows. The all-to-all
+itself is not timed (it needs several GPUs).
 
 Shape (Qwen3.5-27B's Gated DeltaNet: ``Qwen3_5Config`` defaults): hidden 5,120, 16 key heads x
 128, 48 value heads x 128, convolution kernel 4; bf16; S = 20,436 rows in 4 packed sequences
@@ -40,6 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_head import time_ms  # noqa: E402
 
+from megatron.context_parallel import gdn  # noqa: E402
 from megatron.context_parallel.gdn import (  # noqa: E402
     ContextParallelGatedDeltaNet,
     HeadShardRows,
@@ -161,31 +164,38 @@ def measure(args) -> Dict[str, float]:
 
     hidden = leaf(n, 1, args.hidden)
     local = leaf(n, width_in)
-    received = leaf(owned, width_in // cp)
+    received = leaf(owned, sum(layer._received_widths(cp)))
     mixed = leaf(owned, width_out)
     returned = leaf(cp * n, width_out)
+    core_rows = leaf(n, layer.v_dim)
+    gate = torch.randn(n, layer.v_dim, device=device).requires_grad_()  # fp32, as sent home
     normed = leaf(n, 1, layer.v_dim)
     conv_weight = layer._heads_of(
         layer.conv1d.weight[:, 0], [layer.qk_dim, layer.qk_dim, layer.v_dim], 0, cp
     )
 
-    def cut_by_autograd_cat():
-        # The head blocks cut by split / transpose / cat under autograd, as before
-        # ``gdn._HeadBlocks``: its backward copies the gradient twice (the side-by-side row).
-        sections = torch.split(local, list(layer.in_proj_split_sections), dim=1)
-        return torch.cat(
-            [s.reshape(n, cp, s.shape[1] // cp).transpose(0, 1) for s in sections], dim=2
-        ).reshape(cp * n, -1)
-
-    def reorders(cut=lambda: layer._head_blocks(local, cp)):
-        # The package's own steps around the two all-to-alls (gdn.py), nothing else.
-        send = cut()
+    def reorders():
+        # The package's own steps around the two all-to-alls (gdn.py), nothing else. The
+        # gate's fp32 copy (in _SendBlocks) is the conversion the gated norm would make: it
+        # is counted here, and the norm in ``mixing`` gets an fp32 gate.
+        send, gate_home = gdn._SendBlocks.apply(local, *layer._send_spans(), cp)
         mine = permute_rows(received, tables.to_source, tables.from_source)
         back = permute_rows(mixed, tables.from_source, tables.to_source)
-        return send, mine, back, layer._side_by_side(returned, n, cp)
+        return send, gate_home, mine, back, layer._side_by_side(returned, n, cp)
+
+    def reorders_by_element():
+        # The same with the head-block copies one element at a time (no integer words).
+        words = gdn._as_words
+        gdn._as_words = lambda tensors, columns: (list(tensors), 1)
+        try:
+            return reorders()
+        finally:
+            gdn._as_words = words
 
     def mixing():
-        return (layer._mix(received, tables, 0, cp),)
+        # The head chunk's convolution and rule, and the gated norm on the rank's own rows.
+        qkv, beta, alpha = torch.split(received, list(layer._received_widths(cp)), dim=1)
+        return layer._mix(qkv, beta, alpha, tables, 0, cp), layer._gated_norm(core_rows, gate)
 
     def rule_and_conv():
         # The convolution and the rule alone on the same rows, the calls _mix makes.
@@ -203,7 +213,7 @@ def measure(args) -> Dict[str, float]:
         out, _ = layer.out_proj(normed)
         return projected, out
 
-    activations = (hidden, local, received, mixed, returned, normed)
+    activations = (hidden, local, received, mixed, returned, core_rows, gate, normed)
     pieces = (
         ("reorders", reorders),
         ("rule_and_conv", rule_and_conv),
@@ -233,8 +243,8 @@ def measure(args) -> Dict[str, float]:
         print(f"backward not timed: {str(exc)[:200]}")
         ms.update(local_rows=n, owned_rows=owned, tables_host=host)
         return ms
-    ms["reorders_autograd_cat"] = time_ms(
-        _fwd_bwd(lambda: reorders(cut_by_autograd_cat), activations),
+    ms["reorders_by_element"] = time_ms(
+        _fwd_bwd(reorders_by_element, activations),
         torch.device(device),
         args.reps,
         args.warmup,
@@ -263,8 +273,8 @@ def table(args, ms: Dict[str, float]) -> str:
     rows += [
         ("reorders fwd+bwd (package)", f"{ms['reorders']:.3f} ms"),
         (
-            "same, head blocks by split / cat under autograd",
-            f"{ms['reorders_autograd_cat']:.3f} ms",
+            "same, head-block copies by element (not in 8-byte words)",
+            f"{ms['reorders_by_element']:.3f} ms",
         ),
         ("conv + gated delta rule fwd+bwd", f"{ms['rule_and_conv']:.3f} ms"),
         ("mixing fwd+bwd (conv, rule, gates, norm)", f"{ms['mixing']:.3f} ms"),

@@ -261,35 +261,77 @@ def test_permute_rows_moves_rows_and_gradients_exactly():
 
 @pytest.mark.parametrize("cp", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_head_blocks_move_columns_and_gradients_exactly(cp, dtype):
-    """Block ``c`` of ``_head_blocks`` holds the ``c``-th ``1/cp`` of every section; the
-    gradient goes back to the same columns. The reference indexes columns one by one."""
-    from megatron.context_parallel.gdn import ContextParallelGatedDeltaNet
+@pytest.mark.parametrize("layout", ["element", "words"])
+def test_send_blocks_move_columns_and_gradients_exactly(cp, dtype, layout):
+    """Block ``c`` of ``_SendBlocks`` holds the ``c``-th ``1/cp`` of the q, k, v, beta and
+    alpha sections (megatron's order q, k, v, z, beta, alpha) side by side; the gate (z) comes
+    out whole in fp32; the gradients go back to the same columns. The reference indexes
+    columns one by one. ``element``: sections and a buffer offset that no wider word divides
+    (element copies); ``words``: every 1/cp of a section a multiple of 4 bf16 (8-byte words)."""
+    from megatron.context_parallel.gdn import ContextParallelGatedDeltaNet, _SendBlocks
 
-    sections = [2 * cp, 3 * cp, cp, 4 * cp]
+    if layout == "element":
+        sections = [2 * cp, 2 * cp, 3 * cp, 5, cp, cp]
+    else:
+        sections = [4 * cp, 4 * cp, 12 * cp, 8, 4 * cp, 4 * cp]
     layer = ContextParallelGatedDeltaNet.__new__(ContextParallelGatedDeltaNet)
     layer.in_proj_split_sections = sections
     g = torch.Generator().manual_seed(cp)
     n, width = 5, sum(sections)
     # A column slice of a wider buffer: the rows need not be contiguous.
-    local = torch.randn(n, width + 3, generator=g).to(dtype)[:, 1 : width + 1].requires_grad_()
+    skip = 1 if layout == "element" else 4
+    local = torch.randn(n, width + 8, generator=g).to(dtype)[:, skip : width + skip]
+    local.requires_grad_()
+    starts = [sum(sections[:i]) for i in range(6)]
+    gate_columns = list(range(starts[3], starts[3] + sections[3]))
     columns = []  # for each block c, the source columns side by side
     for c in range(cp):
-        start = 0
-        for w in sections:
-            part = w // cp
-            columns += [start + c * part + j for j in range(part)]
-            start += w
+        for i in (0, 1, 2, 4, 5):
+            part = sections[i] // cp
+            columns += [starts[i] + c * part + j for j in range(part)]
     columns = torch.tensor(columns).view(cp, -1)
-    out = layer._head_blocks(local, cp)
+    blocks, gate = _SendBlocks.apply(local, *layer._send_spans(), cp)
     expected = torch.cat([local.detach()[:, columns[c]] for c in range(cp)])
-    assert out.shape == (cp * n, width // cp)
-    assert torch.equal(out, expected)
-    grad = torch.randn(cp * n, width // cp, generator=g).to(dtype)
-    out.backward(grad)
+    sent = width - sections[3]
+    assert blocks.shape == (cp * n, sent // cp)
+    assert torch.equal(blocks, expected)
+    assert gate.dtype == torch.float32
+    assert torch.equal(gate, local.detach()[:, gate_columns].float())
+    grad = torch.randn(cp * n, sent // cp, generator=g).to(dtype)
+    grad_gate = torch.randn(n, sections[3], generator=g)
+    torch.autograd.backward([blocks, gate], [grad, grad_gate])
     want = torch.zeros(n, width, dtype=dtype)
     for c in range(cp):
         want[:, columns[c]] = grad[c * n : (c + 1) * n]
+    want[:, gate_columns] = grad_gate.to(dtype)
     assert torch.equal(local.grad, want)
     # A rank that owns no rows sends empty blocks.
-    assert layer._head_blocks(local.detach()[:0], cp).shape == (0, width // cp)
+    empty, _ = _SendBlocks.apply(local.detach()[:0], *layer._send_spans(), cp)
+    assert empty.shape == (0, sent // cp)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+@pytest.mark.parametrize("width", [8, 3])
+def test_side_by_side_moves_blocks_and_gradients_exactly(cp, width):
+    """``_side_by_side``: row ``i`` of the result is row ``i`` of every block, block 0 first;
+    the gradient goes back to the same places. Width 8 bf16 copies in words, 3 in elements."""
+    from megatron.context_parallel.gdn import ContextParallelGatedDeltaNet
+
+    g = torch.Generator().manual_seed(cp + width)
+    n = 6
+    received = torch.randn(cp * n, width, generator=g).bfloat16().requires_grad_()
+    out = ContextParallelGatedDeltaNet._side_by_side(received, n, cp)
+    expected = torch.empty(n, cp * width, dtype=torch.bfloat16)
+    for i in range(n):
+        for c in range(cp):
+            expected[i, c * width : (c + 1) * width] = received.detach()[c * n + i]
+    assert torch.equal(out, expected)
+    grad = torch.randn(n, cp * width, generator=g).bfloat16()
+    out.backward(grad)
+    want = torch.empty(cp * n, width, dtype=torch.bfloat16)
+    for i in range(n):
+        for c in range(cp):
+            want[c * n + i] = grad[i, c * width : (c + 1) * width]
+    assert torch.equal(received.grad, want)
+    empty = received.detach()[:0]
+    assert ContextParallelGatedDeltaNet._side_by_side(empty, 0, cp).shape == (0, cp * width)

@@ -9,12 +9,14 @@ megatron's parameters, projections and checkpoint layout and replaces that excha
 
 1. the input projection runs on this rank's rows (plan order);
 2. ONE all-to-all over the CP group sends every rank the columns of its heads (rank ``c`` gets
-   the ``c``-th ``1/cp`` of the key, value and gate heads of this TP rank) of every owned row;
+   the ``c``-th ``1/cp`` of the query, key, value, beta and alpha heads of this TP rank) of
+   every owned row; the output gate (z) stays on the row's rank;
 3. the package's row kernel (``ops.permute_rows``) puts the received rows in SOURCE order;
 4. the convolution and the gated delta rule run per packed sequence over whole sequences
    (``cu_seqlens`` of the owned rows): fla's kernels on CUDA, plain torch elsewhere;
-5. the gated output norm, then the inverse reorder and ONE all-to-all back to row shards; the
-   output projection runs on this rank's rows.
+5. the inverse reorder and ONE all-to-all back to row shards; there the gated output norm
+   (row-wise, so it needs no exchange of the gate) and the output projection on this rank's
+   rows. At CP 1 the same without the all-to-alls.
 
 Backward is the transpose: the same two all-to-alls of gradients, the same index tables. The
 tables (``HeadShardRows``) are built once per batch from the plan on the host and shared by
@@ -100,10 +102,15 @@ class HeadShardRows:
             device: where the index tensors go (the activations' device).
         """
         received = torch.cat([plan.local_positions(r) for r in range(plan.cp_size)])
-        to_source = torch.argsort(received)
+        # The received positions are distinct: a scatter into the sequence orders them in one
+        # linear pass (argsort took 70% of this build, ~1 ms, at 20k positions).
+        row_of = torch.full((plan.seq_len,), -1, dtype=torch.int64)
+        row_of[received] = torch.arange(received.numel(), dtype=torch.int64)
+        is_owned = row_of >= 0
+        to_source = row_of[is_owned]
         from_source = torch.empty_like(to_source)
         from_source[to_source] = torch.arange(to_source.numel(), dtype=torch.int64)
-        owned = received[to_source]
+        owned = torch.nonzero(is_owned).flatten()
         bounds = torch.tensor([plan.seq_len] if cu_seqlens is None else list(cu_seqlens[1:]))
         # Sequences are contiguous ranges of positions, so the sorted owned positions come
         # grouped by sequence.
@@ -160,49 +167,114 @@ def _causal_depthwise_conv(
     return out if bias is None else out + bias
 
 
-class _HeadBlocks(torch.autograd.Function):
-    """``[n, D]`` rows -> ``[cp * n, D / cp]`` head blocks; the backward is the inverse.
+class _SendBlocks(torch.autograd.Function):
+    """This rank's projected rows -> the head blocks the all-to-all sends, and the gate.
 
-    ``D`` is the sum of ``sections`` (each divisible by ``cp``); block ``c`` holds, side by
-    side, the ``c``-th ``1/cp`` of every section. Both directions write one output buffer by
-    one strided copy per section: autograd through ``split`` / ``transpose`` / ``cat`` would
-    copy the gradient twice (the reshape of the transposed gradient, then ``cat``), and at
-    Qwen3.5-27B's shape each copy of the layer's projected rows is ~370 MB.
+    ``local`` ``[n, D]`` (columns: megatron's sections q, k, v, z, beta, alpha) ->
+    ``blocks`` ``[cp * n, W]``, block ``c`` the ``c``-th ``1/cp`` of every section in ``spans``
+    side by side (``spans``: ``(first column, width)`` of q, k, v, beta, alpha, each width
+    divisible by ``cp``; ``W`` the sum of the widths over ``cp``), and ``gate`` ``[n, G]``
+    fp32, the columns of ``gate_span`` (z). The gate never travels: the gated norm is row-wise,
+    so it runs on the rows' own rank after the way back; its fp32 copy here is the conversion
+    the norm makes anyway. Backward: one ``[n, D]`` gradient written by one copy per span and
+    the gate's columns (autograd through a slice and ``cat`` would add two full-width
+    gradients, and at Qwen3.5-27B's shape the projected rows are ~370 MB).
     """
 
     @staticmethod
-    def forward(ctx, local: Tensor, sections: Tuple[int, ...], cp: int) -> Tensor:
-        n = local.shape[0]
-        ctx.sections, ctx.cp = sections, cp
-        width = local.shape[1] // cp
-        blocks = local.new_empty(cp, n, width)
-        _copy_sections(local, blocks, sections, cp, to_blocks=True)
-        return blocks.view(cp * n, width)
+    def forward(ctx, local: Tensor, spans, gate_span, cp: int):
+        ctx.spans, ctx.gate_span, ctx.cp, ctx.width = spans, gate_span, cp, local.shape[1]
+        first, width = gate_span
+        gate = local[:, first : first + width].to(torch.float32, copy=True)
+        return _rows_to_blocks(local, spans, cp), gate
+
+    @staticmethod
+    def backward(ctx, grad_blocks: Tensor, grad_gate: Tensor):
+        rows = grad_blocks.new_empty(grad_gate.shape[0], ctx.width)
+        _blocks_to_rows(grad_blocks, ctx.spans, ctx.cp, rows)
+        first, width = ctx.gate_span
+        rows[:, first : first + width].copy_(grad_gate)
+        return rows, None, None, None
+
+
+class _BlockRows(torch.autograd.Function):
+    """``[cp * n, W]`` head blocks -> ``[n, cp * W]`` rows, the blocks side by side (one copy);
+    the backward is the inverse cut (one copy)."""
+
+    @staticmethod
+    def forward(ctx, blocks: Tensor, cp: int) -> Tensor:
+        ctx.cp = cp
+        rows = blocks.new_empty(blocks.shape[0] // cp, cp * blocks.shape[1])
+        _blocks_to_rows(blocks, ((0, rows.shape[1]),), cp, rows)
+        return rows
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        cp = ctx.cp
-        n = grad.shape[0] // cp
-        width = grad.shape[1]
-        rows = grad.new_empty(n, width * cp)
-        _copy_sections(rows, grad.reshape(cp, n, width), ctx.sections, cp, to_blocks=False)
-        return rows, None, None
+        return _rows_to_blocks(grad, ((0, grad.shape[1]),), ctx.cp), None
 
 
-def _copy_sections(
-    rows: Tensor, blocks: Tensor, sections: Sequence[int], cp: int, to_blocks: bool
+def _rows_to_blocks(rows: Tensor, spans: Sequence[Tuple[int, int]], cp: int) -> Tensor:
+    """``[n, D]`` -> ``[cp * n, W]``: block ``c`` holds the ``c``-th ``1/cp`` of every span."""
+    n, width = rows.shape[0], sum(w for _, w in spans) // cp
+    blocks = rows.new_empty(cp, n, width)
+    _copy_spans(rows, blocks, spans, cp, to_blocks=True)
+    return blocks.view(cp * n, width)
+
+
+def _blocks_to_rows(
+    blocks: Tensor, spans: Sequence[Tuple[int, int]], cp: int, rows: Tensor
 ) -> None:
-    """Copy between ``rows`` ``[n, D]`` and ``blocks`` ``[cp, n, D / cp]``, section by section."""
-    col, blk = 0, 0
-    for width in sections:
+    """The inverse of ``_rows_to_blocks``, into ``rows`` ``[n, D]`` (columns outside the spans
+    are left as they are)."""
+    n = rows.shape[0]
+    _copy_spans(rows, blocks.reshape(cp, n, blocks.shape[1]), spans, cp, to_blocks=False)
+
+
+# Integer types by byte width, for copying several elements as one.
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def _as_words(tensors: Sequence[Tensor], columns: Sequence[int]):
+    """The tensors viewed with the widest integer element (<= 8 bytes) that every column
+    count in ``columns`` and every tensor's layout allow, and the factor of that element over
+    the tensors' own; or the tensors as they are (factor 1).
+
+    torch copies a strided (non-contiguous) tensor one element at a time: 2 bytes for bf16,
+    ~1.3 TB/s on an H100 where a plain copy runs at 2.8 (``benchmarks/probes``); the same copy
+    in 8-byte words moves four bf16 at once."""
+    size = tensors[0].element_size()
+    for word in (8, 4, 2):
+        factor = word // size
+        if factor <= 1:
+            break
+        if all(c % factor == 0 for c in columns) and all(
+            t.stride(-1) == 1
+            and t.storage_offset() % factor == 0
+            and all(s % factor == 0 for s in t.stride()[:-1])
+            for t in tensors
+        ):
+            return [t.view(_WORDS[word]) for t in tensors], factor
+    return list(tensors), 1
+
+
+def _copy_spans(
+    rows: Tensor, blocks: Tensor, spans: Sequence[Tuple[int, int]], cp: int, to_blocks: bool
+) -> None:
+    """Copy between ``rows`` ``[n, D]`` and ``blocks`` ``[cp, n, W]``, span by span (bitwise: in
+    integer words where the layout allows, see ``_as_words``)."""
+    columns = [c for first, width in spans for c in (first, width // cp)]
+    (rows, blocks), factor = _as_words((rows, blocks), columns)
+    blk = 0
+    for first, width in spans:
+        first, width = first // factor, width // factor
         part = width // cp
-        in_rows = rows[:, col : col + width].unflatten(1, (cp, part)).transpose(0, 1)
+        in_rows = rows[:, first : first + width].unflatten(1, (cp, part)).transpose(0, 1)
         in_blocks = blocks[:, :, blk : blk + part]
         if to_blocks:
             in_blocks.copy_(in_rows)
         else:
             in_rows.copy_(in_blocks)
-        col, blk = col + width, blk + part
+        blk += part
 
 
 class ContextParallelGatedDeltaNet(GatedDeltaNet):
@@ -289,43 +361,59 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         tables = HeadShardRows.for_params(params, projected.device)
         local = projected[:rows, 0]
 
-        mine = self._to_head_shard(local, cp, group, tables)
-        mixed = self._mix(mine, tables, params.rank, cp)
-        out = self._to_row_shard(mixed, rows, cp, group, tables)
+        if cp == 1:
+            mine = permute_rows(local, tables.to_source, tables.from_source)
+            qk, v, hv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
+            qkv, gate, beta, alpha = torch.split(mine, [2 * qk + v, v, hv, hv], dim=1)
+            core = self._mix(qkv, beta, alpha, tables, 0, 1)
+            normed = self._gated_norm(core, gate)
+            out = permute_rows(normed, tables.from_source, tables.to_source)
+        else:
+            blocks, gate = _SendBlocks.apply(local, *self._send_spans(), cp)
+            mine = self._to_head_shard(blocks, rows, cp, group, tables)
+            qkv, beta, alpha = torch.split(mine, list(self._received_widths(cp)), dim=1)
+            core = self._mix(qkv, beta, alpha, tables, params.rank, cp)
+            out = self._gated_norm(self._to_row_shard(core, rows, cp, group, tables), gate)
         if params.padding_rows:
             out = torch.cat([out, out.new_zeros(params.padding_rows, out.shape[1])])
         return self.out_proj(out.unsqueeze(1))
 
     # ------------------------------------------------------------------ the exchange
 
-    def _to_head_shard(self, local: Tensor, cp: int, group, tables: HeadShardRows) -> Tensor:
-        """``[n, D]`` local rows -> ``[owned, D / cp]`` this rank's heads, source order."""
-        if cp == 1:
-            return permute_rows(local, tables.to_source, tables.from_source)
-        n = local.shape[0]
+    def _send_spans(self):
+        """``(spans, gate_span)`` of the projected rows for ``_SendBlocks``: the ``(first
+        column, width)`` of q, k, v, beta and alpha (what the mixing needs), and of z."""
+        sections = list(self.in_proj_split_sections)  # q, k, v, z, beta, alpha
+        starts = [sum(sections[:i]) for i in range(len(sections))]
+        spans = tuple((starts[i], sections[i]) for i in (0, 1, 2, 4, 5))
+        return spans, (starts[3], sections[3])
+
+    def _received_widths(self, cp: int) -> Tuple[int, int, int]:
+        """Widths of a received row's q + k + v, beta and alpha columns (head chunk of ``cp``)."""
+        qk, v, hv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
+        return (2 * qk + v) // cp, hv // cp, hv // cp
+
+    def _to_head_shard(
+        self, blocks: Tensor, rows: int, cp: int, group, tables: HeadShardRows
+    ) -> Tensor:
+        """``[cp * rows, W]`` head blocks of this rank's rows -> ``[owned, W]`` this rank's head
+        chunk of every owned row, source order."""
         received = all_to_all_over_context_parallel_region(
-            self._head_blocks(local, cp), [n] * cp, tables.counts, group
+            blocks, [rows] * cp, tables.counts, group
         )
         return permute_rows(received, tables.to_source, tables.from_source)
 
-    def _head_blocks(self, local: Tensor, cp: int) -> Tensor:
-        """``[n, D]`` -> ``[cp * n, D / cp]``: block ``c`` holds the ``c``-th ``1/cp`` of every
-        section (q, k, v, z, beta, alpha) of the ``n`` rows, in one copy each way."""
-        return _HeadBlocks.apply(local, tuple(self.in_proj_split_sections), cp)
-
     @staticmethod
     def _side_by_side(received: Tensor, rows: int, cp: int) -> Tensor:
-        """``[cp * rows, V / cp]`` (block ``c``: head chunk ``c`` of the rows) -> ``[rows, V]``."""
-        width = received.shape[1]
-        return received.reshape(cp, rows, width).transpose(0, 1).reshape(rows, cp * width)
+        """``[cp * rows, V / cp]`` (block ``c``: head chunk ``c`` of the rows) -> ``[rows, V]``,
+        one copy each way."""
+        return _BlockRows.apply(received, cp)
 
     def _to_row_shard(
         self, mixed: Tensor, rows: int, cp: int, group, tables: HeadShardRows
     ) -> Tensor:
         """``[owned, V / cp]`` this rank's heads, source order -> ``[rows, V]`` local rows."""
         back = permute_rows(mixed, tables.from_source, tables.to_source)
-        if cp == 1:
-            return back
         received = all_to_all_over_context_parallel_region(back, tables.counts, [rows] * cp, group)
         return self._side_by_side(received, rows, cp)
 
@@ -338,14 +426,18 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         parts = torch.split(param, list(sections), dim=0)
         return torch.cat([p.reshape(cp, -1, *p.shape[1:])[chunk] for p in parts], dim=0)
 
-    def _mix(self, x: Tensor, tables: HeadShardRows, chunk: int, cp: int) -> Tensor:
-        """Convolution, gated delta rule and gated norm of head chunk ``chunk`` over whole
-        sequences. ``x``: ``[owned, D / cp]`` source order; returns ``[owned, V / cp]``."""
+    def _mix(
+        self, qkv: Tensor, beta: Tensor, alpha: Tensor, tables: HeadShardRows, chunk: int, cp: int
+    ) -> Tensor:
+        """Convolution and gated delta rule of head chunk ``chunk`` over whole sequences.
+
+        ``qkv`` ``[owned, (2 * qk + v) / cp]``, ``beta`` and ``alpha`` ``[owned, hv / cp]``, in
+        source order (views of the received rows); returns the rule's output ``[owned, V /
+        cp]`` (the gated norm runs where the gate is: ``forward``)."""
         qk, v = self.qk_dim_local_tp // cp, self.v_dim_local_tp // cp
         hk, hv = self.num_k_heads_local_tp // cp, self.num_v_heads_local_tp // cp
         dk, dv = self.key_head_dim, self.value_head_dim
-        n = x.shape[0]
-        qkv, gate, beta, alpha = torch.split(x, [2 * qk + v, v, hv, hv], dim=1)
+        n = qkv.shape[0]
 
         conv_sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
         weight = self._heads_of(self.conv1d.weight[:, 0], conv_sections, chunk, cp)
@@ -361,7 +453,7 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         query, key, value = torch.split(qkv, [qk, qk, v], dim=1)
         query, key = query.reshape(1, n, hk, dk), key.reshape(1, n, hk, dk)
         core = self._delta_rule(query, key, value.reshape(1, n, hv, dv), decay, beta, tables)
-        return self._gated_norm(core.reshape(n, hv, dv), gate.reshape(n, hv, dv)).reshape(n, -1)
+        return core.reshape(n, hv * dv)
 
     def _convolve(
         self, qkv: Tensor, weight: Tensor, bias: Optional[Tensor], tables: HeadShardRows
@@ -430,9 +522,13 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         return torch.cat(outs, dim=1)
 
     def _gated_norm(self, core: Tensor, gate: Tensor) -> Tensor:
-        """``out_norm(core) * act(gate)`` per head, in ``core``'s dtype (megatron's order)."""
-        normed = self.out_norm(core.reshape(-1, core.shape[-1]))
-        gated = normed * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
+        """``out_norm(core) * act(gate)`` per value head, in ``core``'s dtype (megatron's order).
+
+        ``core`` ``[m, V]`` and ``gate`` ``[m, V]`` (any float dtype; fp32 is used as is) of
+        the same ``m`` rows; returns ``[m, V]``."""
+        dv = self.value_head_dim
+        normed = self.out_norm(core.reshape(-1, dv))
+        gated = normed * self.act_fn(gate.float().reshape(-1, dv))
         return gated.to(core.dtype).reshape(core.shape)
 
 
