@@ -168,16 +168,16 @@ def measure(args) -> Dict[str, float]:
     mixed = leaf(owned, width_out)
     returned = leaf(cp * n, width_out)
     core_rows = leaf(n, layer.v_dim)
-    gate = torch.randn(n, layer.v_dim, device=device).requires_grad_()  # fp32, as sent home
+    # The gate as the layer's norm gets it: a (strided) view of the projected rows.
+    first, width = layer._send_spans()[1]
+    gate = local.detach()[:, first : first + width].requires_grad_()
     normed = leaf(n, 1, layer.v_dim)
     conv_weight = layer._heads_of(
         layer.conv1d.weight[:, 0], [layer.qk_dim, layer.qk_dim, layer.v_dim], 0, cp
     )
 
     def reorders():
-        # The package's own steps around the two all-to-alls (gdn.py), nothing else. The
-        # gate's fp32 copy (in _SendBlocks) is the conversion the gated norm would make: it
-        # is counted here, and the norm in ``mixing`` gets an fp32 gate.
+        # The package's own steps around the two all-to-alls (gdn.py), nothing else.
         send, gate_home = gdn._SendBlocks.apply(local, *layer._send_spans(), cp)
         mine = permute_rows(received, tables.to_source, tables.from_source)
         back = permute_rows(mixed, tables.from_source, tables.to_source)

@@ -265,7 +265,7 @@ def test_permute_rows_moves_rows_and_gradients_exactly():
 def test_send_blocks_move_columns_and_gradients_exactly(cp, dtype, layout):
     """Block ``c`` of ``_SendBlocks`` holds the ``c``-th ``1/cp`` of the q, k, v, beta and
     alpha sections (megatron's order q, k, v, z, beta, alpha) side by side; the gate (z) comes
-    out whole in fp32; the gradients go back to the same columns. The reference indexes
+    out as a view of the input; the gradients go back to the same columns. The reference indexes
     columns one by one. ``element``: sections and a buffer offset that no wider word divides
     (element copies); ``words``: every 1/cp of a section a multiple of 4 bf16 (8-byte words)."""
     from megatron.context_parallel.gdn import ContextParallelGatedDeltaNet, _SendBlocks
@@ -295,15 +295,18 @@ def test_send_blocks_move_columns_and_gradients_exactly(cp, dtype, layout):
     sent = width - sections[3]
     assert blocks.shape == (cp * n, sent // cp)
     assert torch.equal(blocks, expected)
-    assert gate.dtype == torch.float32
-    assert torch.equal(gate, local.detach()[:, gate_columns].float())
+    assert (
+        gate.dtype == dtype
+        and gate.data_ptr() == local.data_ptr() + starts[3] * gate.element_size()
+    )
+    assert torch.equal(gate, local.detach()[:, gate_columns])
     grad = torch.randn(cp * n, sent // cp, generator=g).to(dtype)
-    grad_gate = torch.randn(n, sections[3], generator=g)
+    grad_gate = torch.randn(n, sections[3], generator=g).to(dtype)
     torch.autograd.backward([blocks, gate], [grad, grad_gate])
     want = torch.zeros(n, width, dtype=dtype)
     for c in range(cp):
         want[:, columns[c]] = grad[c * n : (c + 1) * n]
-    want[:, gate_columns] = grad_gate.to(dtype)
+    want[:, gate_columns] = grad_gate
     assert torch.equal(local.grad, want)
     # A rank that owns no rows sends empty blocks.
     empty, _ = _SendBlocks.apply(local.detach()[:0], *layer._send_spans(), cp)

@@ -173,27 +173,34 @@ class _SendBlocks(torch.autograd.Function):
     ``local`` ``[n, D]`` (columns: megatron's sections q, k, v, z, beta, alpha) ->
     ``blocks`` ``[cp * n, W]``, block ``c`` the ``c``-th ``1/cp`` of every section in ``spans``
     side by side (``spans``: ``(first column, width)`` of q, k, v, beta, alpha, each width
-    divisible by ``cp``; ``W`` the sum of the widths over ``cp``), and ``gate`` ``[n, G]``
-    fp32, the columns of ``gate_span`` (z). The gate never travels: the gated norm is row-wise,
-    so it runs on the rows' own rank after the way back; its fp32 copy here is the conversion
-    the norm makes anyway. Backward: one ``[n, D]`` gradient written by one copy per span and
-    the gate's columns (autograd through a slice and ``cat`` would add two full-width
-    gradients, and at Qwen3.5-27B's shape the projected rows are ~370 MB).
+    divisible by ``cp``; ``W`` the sum of the widths over ``cp``), and ``gate`` ``[n, G]``,
+    the columns of ``gate_span`` (z) as a view of ``local`` (no copy; not to be modified in
+    place). The gate never travels: the gated norm is row-wise, so it runs on the rows' own rank
+    after the way back and reads the view as megatron's own layer reads its split. Backward:
+    one ``[n, D]`` gradient written by one copy per span and one for the gate's columns
+    (autograd through a slice and ``cat`` would add two full-width gradients, and at
+    Qwen3.5-27B's shape the projected rows are ~370 MB).
     """
 
     @staticmethod
     def forward(ctx, local: Tensor, spans, gate_span, cp: int):
         ctx.spans, ctx.gate_span, ctx.cp, ctx.width = spans, gate_span, cp, local.shape[1]
         first, width = gate_span
-        gate = local[:, first : first + width].to(torch.float32, copy=True)
-        return _rows_to_blocks(local, spans, cp), gate
+        return _rows_to_blocks(local, spans, cp), local[:, first : first + width]
 
     @staticmethod
     def backward(ctx, grad_blocks: Tensor, grad_gate: Tensor):
-        rows = grad_blocks.new_empty(grad_gate.shape[0], ctx.width)
+        n = grad_gate.shape[0]
+        rows = grad_blocks.new_empty(n, ctx.width)
         _blocks_to_rows(grad_blocks, ctx.spans, ctx.cp, rows)
-        first, width = ctx.gate_span
-        rows[:, first : first + width].copy_(grad_gate)
+        gate = (ctx.gate_span,)
+        _copy_spans(
+            rows,
+            grad_gate.to(rows.dtype).reshape(1, n, grad_gate.shape[1]),
+            gate,
+            1,
+            to_blocks=False,
+        )
         return rows, None, None, None
 
 
@@ -524,8 +531,8 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
     def _gated_norm(self, core: Tensor, gate: Tensor) -> Tensor:
         """``out_norm(core) * act(gate)`` per value head, in ``core``'s dtype (megatron's order).
 
-        ``core`` ``[m, V]`` and ``gate`` ``[m, V]`` (any float dtype; fp32 is used as is) of
-        the same ``m`` rows; returns ``[m, V]``."""
+        ``core`` ``[m, V]`` and ``gate`` ``[m, V]`` (any float dtype, any strides) of the same
+        ``m`` rows; returns ``[m, V]``."""
         dv = self.value_head_dim
         normed = self.out_norm(core.reshape(-1, dv))
         gated = normed * self.act_fn(gate.float().reshape(-1, dv))
