@@ -4,12 +4,14 @@
 this rank's projected rows are cut into per-rank head blocks of the query, key, value, beta and
 alpha columns, the gate staying home (one copy, ``gdn._SendBlocks``), and the rows received by
 the all-to-all are put in source order (``ops.permute_rows``); on the way out the rule's output
-rows go back to receive order (``permute_rows``) and the received head blocks are put side by
-side (one copy), where the gated norm runs. Once per batch the index tables
-(``HeadShardRows.build``) are built on the host. This script times those on one rank, forward
-+ backward, against the same rank's layer: the projections on its rows, the convolution + gated
-delta rule on its head shard of every owned row and the gated norm on its rows. The all-to-all
-itself is not timed (it needs several GPUs).
+rows go back to receive order (``permute_rows``), and megatron's gated norm (compiled on CUDA)
+reads the received head blocks through a transposed view (no copy of its own). Once per batch
+the index tables (``HeadShardRows.build``) are built on the host. This script times those on
+one rank, forward + backward, against the same rank's layer: the projections on its rows, the
+convolution + gated delta rule on its head shard of every owned row and megatron's gated norm
+on its rows. What the package adds: the reorders, plus what the norm on the blocks costs beyond
+megatron's on contiguous rows (its layer's layout). The all-to-all itself is not timed (it
+needs several GPUs).
 
 Shape (Qwen3.5-27B's Gated DeltaNet: ``Qwen3_5Config`` defaults): hidden 5,120, 16 key heads x
 128, 48 value heads x 128, convolution kernel 4; bf16; S = 20,436 rows in 4 packed sequences
@@ -30,6 +32,7 @@ Run (from the repository root, one GPU, fla-core 0.6.0 and einops installed)::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import sys
@@ -181,7 +184,7 @@ def measure(args) -> Dict[str, float]:
         send, gate_home = gdn._SendBlocks.apply(local, *layer._send_spans(), cp)
         mine = permute_rows(received, tables.to_source, tables.from_source)
         back = permute_rows(mixed, tables.from_source, tables.to_source)
-        return send, gate_home, mine, back, layer._side_by_side(returned, n, cp)
+        return send, gate_home, mine, back
 
     def reorders_by_element():
         # The same with the head-block copies one element at a time (no integer words).
@@ -192,10 +195,23 @@ def measure(args) -> Dict[str, float]:
         finally:
             gdn._as_words = words
 
+    dv = layer.value_head_dim
+    apply_norm = layer._apply_gated_norm  # megatron's, compiled by its jit_fuser
+    if torch.device(device).type != "cuda":  # as gdn._gated_norm: eager off CUDA
+        apply_norm = functools.partial(apply_norm._torchdynamo_orig_callable, layer)
+
+    def norm_rows():
+        # megatron's gated norm on the rank's own rows laid out as its layer has them.
+        return (apply_norm(core_rows.view(n, -1, dv), gate.view(n, -1, dv)),)
+
     def mixing():
-        # The head chunk's convolution and rule, and the gated norm on the rank's own rows.
+        # The head chunk's convolution and rule, and megatron's gated norm on the rank's rows.
         qkv, beta, alpha = torch.split(received, list(layer._received_widths(cp)), dim=1)
-        return layer._mix(qkv, beta, alpha, tables, 0, cp), layer._gated_norm(core_rows, gate)
+        return layer._mix(qkv, beta, alpha, tables, 0, cp), norm_rows()[0]
+
+    def norm_blocks():
+        # The layer's own: the norm on the returned head blocks, the multiply writing rows.
+        return (layer._gated_norm(returned, gate, cp),)
 
     def rule_and_conv():
         # The convolution and the rule alone on the same rows, the calls _mix makes.
@@ -218,14 +234,17 @@ def measure(args) -> Dict[str, float]:
         ("reorders", reorders),
         ("rule_and_conv", rule_and_conv),
         ("mixing", mixing),
+        ("norm_rows", norm_rows),
+        ("norm_blocks", norm_blocks),
         ("projections", projections),
     )
     ms = {}
     for name, fn in pieces:
         with torch.no_grad():
             ms[name + "_fwd"] = time_ms(fn, torch.device(device), args.reps, args.warmup)
-    ms["layer_fwd"] = ms["reorders_fwd"] + ms["mixing_fwd"] + ms["projections_fwd"]
-    ms["overhead_of_layer_fwd"] = ms["reorders_fwd"] / ms["layer_fwd"]
+    ms["added_fwd"] = ms["reorders_fwd"] + ms["norm_blocks_fwd"] - ms["norm_rows_fwd"]
+    ms["layer_fwd"] = ms["added_fwd"] + ms["mixing_fwd"] + ms["projections_fwd"]
+    ms["overhead_of_layer_fwd"] = ms["added_fwd"] / ms["layer_fwd"]
     ms["guard_lifted"] = bool(args.lift_fla_hopper_guard)
     if args.lift_fla_hopper_guard:
         import fla.ops.common.chunk_o as chunk_o
@@ -250,9 +269,10 @@ def measure(args) -> Dict[str, float]:
         args.warmup,
     )
     ms["tables_host"] = host
-    ms["layer"] = ms["reorders"] + ms["mixing"] + ms["projections"]
-    ms["overhead_of_layer"] = ms["reorders"] / ms["layer"]
-    ms["overhead_of_rule_and_conv"] = ms["reorders"] / ms["rule_and_conv"]
+    ms["added"] = ms["reorders"] + ms["norm_blocks"] - ms["norm_rows"]
+    ms["layer"] = ms["added"] + ms["mixing"] + ms["projections"]
+    ms["overhead_of_layer"] = ms["added"] / ms["layer"]
+    ms["overhead_of_rule_and_conv"] = ms["added"] / ms["rule_and_conv"]
     ms.update(local_rows=n, owned_rows=owned)
     return ms
 
@@ -262,10 +282,15 @@ def table(args, ms: Dict[str, float]) -> str:
     rows = [
         ("index tables, host, once per batch", f"{ms['tables_host']:.2f} ms"),
         ("reorders fwd (package)", f"{ms['reorders_fwd']:.3f} ms"),
+        (
+            "gated norm fwd on rows (megatron's layout) / on the returned blocks (ours)",
+            f"{ms['norm_rows_fwd']:.3f} / {ms['norm_blocks_fwd']:.3f} ms",
+        ),
+        ("added fwd: reorders + norm on blocks - norm on rows", f"{ms['added_fwd']:.3f} ms"),
         ("conv + gated delta rule fwd", f"{ms['rule_and_conv_fwd']:.3f} ms"),
         ("mixing fwd", f"{ms['mixing_fwd']:.3f} ms"),
         ("in/out projections fwd", f"{ms['projections_fwd']:.3f} ms"),
-        ("reorders / layer, fwd", f"{100 * ms['overhead_of_layer_fwd']:.2f} %"),
+        ("added / layer, fwd", f"{100 * ms['overhead_of_layer_fwd']:.2f} %"),
     ]
     if "layer" not in ms:
         rows.append(("fwd+bwd", "not timed: fla refuses its gated backward here"))
@@ -276,12 +301,17 @@ def table(args, ms: Dict[str, float]) -> str:
             "same, head-block copies by element (not in 8-byte words)",
             f"{ms['reorders_by_element']:.3f} ms",
         ),
+        (
+            "gated norm fwd+bwd on rows / on the returned blocks",
+            f"{ms['norm_rows']:.3f} / {ms['norm_blocks']:.3f} ms",
+        ),
+        ("added fwd+bwd: reorders + norm on blocks - norm on rows", f"{ms['added']:.3f} ms"),
         ("conv + gated delta rule fwd+bwd", f"{ms['rule_and_conv']:.3f} ms"),
         ("mixing fwd+bwd (conv, rule, gates, norm)", f"{ms['mixing']:.3f} ms"),
         ("in/out projections fwd+bwd", f"{ms['projections']:.3f} ms"),
         ("layer fwd+bwd on one rank (no all-to-all)", f"{ms['layer']:.3f} ms"),
-        ("reorders / layer", f"{100 * ms['overhead_of_layer']:.2f} %"),
-        ("reorders / conv + rule", f"{100 * ms['overhead_of_rule_and_conv']:.2f} %"),
+        ("added / layer", f"{100 * ms['overhead_of_layer']:.2f} %"),
+        ("added / conv + rule", f"{100 * ms['overhead_of_rule_and_conv']:.2f} %"),
     ]
     if ms.get("guard_lifted"):
         rows.append(

@@ -314,27 +314,57 @@ def test_send_blocks_move_columns_and_gradients_exactly(cp, dtype, layout):
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3])
-@pytest.mark.parametrize("width", [8, 3])
-def test_side_by_side_moves_blocks_and_gradients_exactly(cp, width):
-    """``_side_by_side``: row ``i`` of the result is row ``i`` of every block, block 0 first;
-    the gradient goes back to the same places. Width 8 bf16 copies in words, 3 in elements."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 0])
+def test_gated_norm_of_blocks_equals_megatrons_on_rows(cp, dtype, rows):
+    """``_gated_norm`` on the head blocks the way back delivers (block ``c``: head chunk ``c``
+    of the rows) equals megatron's gated norm expression on the rows with the blocks put side
+    by side by an index loop, bit for bit: the output, the blocks' gradient and the gate's (a
+    strided view of wider rows, as the layer passes it); the norm weight's gradient to
+    rounding. On CPU the layer calls megatron's eager function on a transposed view of the
+    blocks; the reference writes the expression out on rows laid out independently.
+    ``rows=0``: an empty rank."""
+    import types
+
     from megatron.context_parallel.gdn import ContextParallelGatedDeltaNet
 
-    g = torch.Generator().manual_seed(cp + width)
-    n = 6
-    received = torch.randn(cp * n, width, generator=g).bfloat16().requires_grad_()
-    out = ContextParallelGatedDeltaNet._side_by_side(received, n, cp)
-    expected = torch.empty(n, cp * width, dtype=torch.bfloat16)
-    for i in range(n):
+    g = torch.Generator().manual_seed(cp * 10 + rows)
+    heads, dv = 2 * cp, 8
+    width = heads * dv
+    part = width // cp
+
+    def make_layer():
+        norm = torch.nn.RMSNorm(dv, eps=1e-6, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(dv, generator=g))
+        return types.SimpleNamespace(value_head_dim=dv, out_norm=norm, act_fn=F.silu)
+
+    ours, theirs = make_layer(), make_layer()
+    theirs.out_norm.load_state_dict(ours.out_norm.state_dict())
+    blocks = torch.randn(cp * rows, part, generator=g).to(dtype).requires_grad_()
+    wide = torch.randn(rows, width + 6, generator=g).to(dtype)
+    gate = wide[:, 3 : width + 3].requires_grad_()
+    side = torch.empty(rows, width, dtype=dtype)
+    for i in range(rows):
         for c in range(cp):
-            expected[i, c * width : (c + 1) * width] = received.detach()[c * n + i]
-    assert torch.equal(out, expected)
-    grad = torch.randn(n, cp * width, generator=g).bfloat16()
-    out.backward(grad)
-    want = torch.empty(cp * n, width, dtype=torch.bfloat16)
-    for i in range(n):
+            side[i, c * part : (c + 1) * part] = blocks.detach()[c * rows + i]
+    side.requires_grad_()
+    gate_ref = gate.detach().clone().requires_grad_()
+
+    got = ContextParallelGatedDeltaNet._gated_norm(ours, blocks, gate, cp)
+    # megatron's ``_apply_gated_norm`` written out eagerly (megatron wraps it in
+    # ``torch.compile``, whose fused kernel rounds differently from any eager code).
+    normed = theirs.out_norm(side.reshape(-1, dv))
+    want = (normed * F.silu(gate_ref.float().reshape(-1, dv))).to(dtype).reshape(rows, width)
+    assert got.shape == (rows, width) and got.dtype == dtype
+    assert torch.equal(got, want)
+    grad = torch.randn(rows, width, generator=g).to(dtype)
+    got.backward(grad)
+    want.backward(grad)
+    want_blocks = torch.empty(cp * rows, part, dtype=dtype)
+    for i in range(rows):
         for c in range(cp):
-            want[c * n + i] = grad[i, c * width : (c + 1) * width]
-    assert torch.equal(received.grad, want)
-    empty = received.detach()[:0]
-    assert ContextParallelGatedDeltaNet._side_by_side(empty, 0, cp).shape == (0, cp * width)
+            want_blocks[c * rows + i] = side.grad[i, c * part : (c + 1) * part]
+    assert torch.equal(blocks.grad, want_blocks)
+    assert torch.equal(gate.grad, gate_ref.grad)
+    torch.testing.assert_close(ours.out_norm.weight.grad, theirs.out_norm.weight.grad)

@@ -7,7 +7,10 @@ dropped), the bytes it moves and GB/s; the head-block copies in 8-byte words (th
 and one element at a time; a clone of the projected rows is the bandwidth reference. Then the
 input projection as one GEMM + the head-block cut against batched GEMMs that write the head
 blocks directly (one per section, output views into the block buffer), and the output
-projection on side-by-side rows against one accumulating GEMM per head block.
+projection on side-by-side rows against one accumulating GEMM per head block. megatron's gated
+norm (its ``_apply_gated_norm``, compiled by its ``jit_fuser``, and the eager original) on
+contiguous rows, as its layer runs it, and on a transposed view of the returned head blocks, as
+``gdn._gated_norm`` runs it: what the layout change costs inside the norm.
 
 Run on a GPU from the repository root: ``python benchmarks/probes/probe_gdn_copies.py``.
 """
@@ -50,7 +53,20 @@ def main():
     received = leaf(owned, sum(layer._received_widths(cp)))
     mixed = leaf(owned, d_out // cp)
     returned = leaf(cp * n, d_out // cp)
+    core_rows = leaf(n, d_out)
+    first, width = layer._send_spans()[1]
+    gate = local.detach()[:, first : first + width].requires_grad_()  # a view, as in the layer
     esize = local.element_size()
+
+    dv = layer.value_head_dim
+    compiled = type(layer)._apply_gated_norm
+    eager_norm = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+    def side_by_side(blocks):
+        return blocks.view(cp, n, -1).transpose(0, 1).reshape(n, -1)
+
+    def blocks_view(blocks):
+        return blocks.view(cp, n, -1, dv).transpose(0, 1)
 
     def outputs(fn):
         out = fn()
@@ -86,9 +102,29 @@ def main():
             [mixed],
             mixed.numel(),
         ),
-        "side by side (reshape/transpose)": (
-            lambda: layer._side_by_side(returned, n, cp),
+        "side by side (torch reshape of the blocks)": (
+            lambda: side_by_side(returned),
             [returned],
+            returned.numel(),
+        ),
+        "gated norm on rows, megatron's compiled (its layer's layout)": (
+            lambda: layer._apply_gated_norm(core_rows.view(n, -1, dv), gate.view(n, -1, dv)),
+            [core_rows, gate],
+            core_rows.numel(),
+        ),
+        "gated norm on rows, megatron's eager": (
+            lambda: eager_norm(layer, core_rows.view(n, -1, dv), gate.view(n, -1, dv)),
+            [core_rows, gate],
+            core_rows.numel(),
+        ),
+        "gated norm on the returned blocks, compiled (the package's)": (
+            lambda: layer._gated_norm(returned, gate, cp),
+            [returned, gate],
+            returned.numel(),
+        ),
+        "gated norm on the returned blocks, eager (the CPU path)": (
+            lambda: eager_norm(layer, blocks_view(returned), gate.view(n, -1, dv)),
+            [returned, gate],
             returned.numel(),
         ),
     }
@@ -100,7 +136,7 @@ def main():
         if copies == "element":  # the head-block copies one element at a time
             gdn._as_words = lambda tensors, columns: (list(tensors), 1)
         for name, (fn, leaves, numel) in pieces.items():
-            moves_blocks = name.startswith(("head-block", "side by side"))
+            moves_blocks = name.startswith("head-block")
             if copies == "element" and not moves_blocks:
                 continue
             f, b = fb(fn, leaves)
@@ -143,7 +179,7 @@ def main():
     blocks_out = returned.detach().view(cp, n, part)
 
     def sbs_then_gemm():
-        return layer._side_by_side(returned.detach(), n, cp) @ w_out.t()
+        return side_by_side(returned.detach()) @ w_out.t()
 
     def gemms_per_block():
         out = blocks_out[0] @ w_out[:, :part].t()

@@ -15,8 +15,10 @@ megatron's parameters, projections and checkpoint layout and replaces that excha
 4. the convolution and the gated delta rule run per packed sequence over whole sequences
    (``cu_seqlens`` of the owned rows): fla's kernels on CUDA, plain torch elsewhere;
 5. the inverse reorder and ONE all-to-all back to row shards; there the gated output norm
-   (row-wise, so it needs no exchange of the gate) and the output projection on this rank's
-   rows. At CP 1 the same without the all-to-alls.
+   runs on the received head blocks, read as rows through a transposed view (it is per value
+   head and per row, so the gate needs no exchange; on CUDA megatron's compiled norm reads the
+   view in place) and the output projection on this rank's rows. At CP 1 the same without the
+   all-to-alls.
 
 Backward is the transpose: the same two all-to-alls of gradients, the same index tables. The
 tables (``HeadShardRows``) are built once per batch from the plan on the host and shared by
@@ -204,22 +206,6 @@ class _SendBlocks(torch.autograd.Function):
         return rows, None, None, None
 
 
-class _BlockRows(torch.autograd.Function):
-    """``[cp * n, W]`` head blocks -> ``[n, cp * W]`` rows, the blocks side by side (one copy);
-    the backward is the inverse cut (one copy)."""
-
-    @staticmethod
-    def forward(ctx, blocks: Tensor, cp: int) -> Tensor:
-        ctx.cp = cp
-        rows = blocks.new_empty(blocks.shape[0] // cp, cp * blocks.shape[1])
-        _blocks_to_rows(blocks, ((0, rows.shape[1]),), cp, rows)
-        return rows
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _rows_to_blocks(grad, ((0, grad.shape[1]),), ctx.cp), None
-
-
 def _rows_to_blocks(rows: Tensor, spans: Sequence[Tuple[int, int]], cp: int) -> Tensor:
     """``[n, D]`` -> ``[cp * n, W]``: block ``c`` holds the ``c``-th ``1/cp`` of every span."""
     n, width = rows.shape[0], sum(w for _, w in spans) // cp
@@ -373,14 +359,15 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
             qk, v, hv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
             qkv, gate, beta, alpha = torch.split(mine, [2 * qk + v, v, hv, hv], dim=1)
             core = self._mix(qkv, beta, alpha, tables, 0, 1)
-            normed = self._gated_norm(core, gate)
-            out = permute_rows(normed, tables.from_source, tables.to_source)
+            out = permute_rows(
+                self._gated_norm(core, gate, 1), tables.from_source, tables.to_source
+            )
         else:
             blocks, gate = _SendBlocks.apply(local, *self._send_spans(), cp)
             mine = self._to_head_shard(blocks, rows, cp, group, tables)
             qkv, beta, alpha = torch.split(mine, list(self._received_widths(cp)), dim=1)
             core = self._mix(qkv, beta, alpha, tables, params.rank, cp)
-            out = self._gated_norm(self._to_row_shard(core, rows, cp, group, tables), gate)
+            out = self._gated_norm(self._to_row_shard(core, rows, cp, group, tables), gate, cp)
         if params.padding_rows:
             out = torch.cat([out, out.new_zeros(params.padding_rows, out.shape[1])])
         return self.out_proj(out.unsqueeze(1))
@@ -410,19 +397,14 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         )
         return permute_rows(received, tables.to_source, tables.from_source)
 
-    @staticmethod
-    def _side_by_side(received: Tensor, rows: int, cp: int) -> Tensor:
-        """``[cp * rows, V / cp]`` (block ``c``: head chunk ``c`` of the rows) -> ``[rows, V]``,
-        one copy each way."""
-        return _BlockRows.apply(received, cp)
-
     def _to_row_shard(
         self, mixed: Tensor, rows: int, cp: int, group, tables: HeadShardRows
     ) -> Tensor:
-        """``[owned, V / cp]`` this rank's heads, source order -> ``[rows, V]`` local rows."""
+        """``[owned, V / cp]`` this rank's heads, source order -> ``[cp * rows, V / cp]``: block
+        ``c`` the head chunk ``c`` of this rank's rows (plan order), as the all-to-all delivers
+        it; ``_gated_norm`` puts the blocks side by side."""
         back = permute_rows(mixed, tables.from_source, tables.to_source)
-        received = all_to_all_over_context_parallel_region(back, tables.counts, [rows] * cp, group)
-        return self._side_by_side(received, rows, cp)
+        return all_to_all_over_context_parallel_region(back, tables.counts, [rows] * cp, group)
 
     # ------------------------------------------------------------------ the mixing
 
@@ -528,15 +510,29 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
             outs.append(out)
         return torch.cat(outs, dim=1)
 
-    def _gated_norm(self, core: Tensor, gate: Tensor) -> Tensor:
-        """``out_norm(core) * act(gate)`` per value head, in ``core``'s dtype (megatron's order).
+    def _gated_norm(self, blocks: Tensor, gate: Tensor, cp: int) -> Tensor:
+        """megatron's gated output norm (``_apply_gated_norm``: ``out_norm(core) * act(gate)``
+        per value head, in the core's dtype) on the head blocks the way back delivers, giving
+        rows.
 
-        ``core`` ``[m, V]`` and ``gate`` ``[m, V]`` (any float dtype, any strides) of the same
-        ``m`` rows; returns ``[m, V]``."""
+        ``blocks`` ``[cp * m, V / cp]``: block ``c`` the rule's output for head chunk ``c`` of
+        ``m`` rows (at CP 1 the rows themselves); ``gate`` ``[m, V]`` (any float dtype, a
+        strided view of the projected rows) of the same rows. Returns ``[m, V]``. The norm is
+        per value head and per row, so it takes the blocks as a transposed view: on CUDA
+        megatron's compiled function (its ``jit_fuser``) reads them in place, with its own
+        backward, at the cost of the same norm on contiguous rows; elsewhere, and for an empty
+        shard, its eager original (the CPU path is the test oracle, and inductor on CPU needs a
+        C++ toolchain and a compile per shape), where the view costs one copy each way.
+        """
+        m, width = gate.shape
         dv = self.value_head_dim
-        normed = self.out_norm(core.reshape(-1, dv))
-        gated = normed * self.act_fn(gate.float().reshape(-1, dv))
-        return gated.to(core.dtype).reshape(core.shape)
+        core = blocks.view(cp, m, width // (cp * dv), dv).transpose(0, 1)
+        gate = gate.view(m, width // dv, dv)
+        if blocks.device.type == "cuda" and m > 0:
+            return self._apply_gated_norm(core, gate).view(m, width)
+        compiled = GatedDeltaNet._apply_gated_norm
+        eager = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+        return eager(self, core, gate).view(m, width)
 
 
 def get_gated_delta_net_with_context_parallel_spec() -> ModuleSpec:
