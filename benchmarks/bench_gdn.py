@@ -198,7 +198,7 @@ def measure(args) -> Dict[str, float]:
     dv = layer.value_head_dim
     apply_norm = layer._apply_gated_norm  # megatron's, compiled by its jit_fuser
     if torch.device(device).type != "cuda":  # as gdn._gated_norm: eager off CUDA
-        apply_norm = functools.partial(apply_norm._torchdynamo_orig_callable, layer)
+        apply_norm = functools.partial(gdn._eager_apply_gated_norm, layer)
 
     def norm_rows():
         # megatron's gated norm on the rank's own rows laid out as its layer has them.
@@ -210,7 +210,7 @@ def measure(args) -> Dict[str, float]:
         return layer._mix(qkv, beta, alpha, tables, 0, cp), norm_rows()[0]
 
     def norm_blocks():
-        # The layer's own: the norm on the returned head blocks, the multiply writing rows.
+        # The layer's own: the norm on the returned head blocks read as rows.
         return (layer._gated_norm(returned, gate, cp),)
 
     def rule_and_conv():

@@ -59,8 +59,7 @@ def main():
     esize = local.element_size()
 
     dv = layer.value_head_dim
-    compiled = type(layer)._apply_gated_norm
-    eager_norm = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    eager_norm = gdn._eager_apply_gated_norm
 
     def side_by_side(blocks):
         return blocks.view(cp, n, -1).transpose(0, 1).reshape(n, -1)

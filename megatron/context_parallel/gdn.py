@@ -270,6 +270,13 @@ def _copy_spans(
         blk += part
 
 
+# megatron's gated norm without its jit_fuser's compile: the CPU path is the test oracle, and
+# inductor on CPU needs a C++ toolchain and a compile per shape.
+_eager_apply_gated_norm = getattr(
+    GatedDeltaNet._apply_gated_norm, "_torchdynamo_orig_callable", GatedDeltaNet._apply_gated_norm
+)
+
+
 class ContextParallelGatedDeltaNet(GatedDeltaNet):
     """megatron-core's ``GatedDeltaNet`` that runs under any ``ContextParallelPlan``.
 
@@ -402,7 +409,7 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
     ) -> Tensor:
         """``[owned, V / cp]`` this rank's heads, source order -> ``[cp * rows, V / cp]``: block
         ``c`` the head chunk ``c`` of this rank's rows (plan order), as the all-to-all delivers
-        it; ``_gated_norm`` puts the blocks side by side."""
+        it; ``_gated_norm`` reads the blocks as rows."""
         back = permute_rows(mixed, tables.from_source, tables.to_source)
         return all_to_all_over_context_parallel_region(back, tables.counts, [rows] * cp, group)
 
@@ -520,9 +527,8 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         strided view of the projected rows) of the same rows. Returns ``[m, V]``. The norm is
         per value head and per row, so it takes the blocks as a transposed view: on CUDA
         megatron's compiled function (its ``jit_fuser``) reads them in place, with its own
-        backward, at the cost of the same norm on contiguous rows; elsewhere, and for an empty
-        shard, its eager original (the CPU path is the test oracle, and inductor on CPU needs a
-        C++ toolchain and a compile per shape), where the view costs one copy each way.
+        backward; elsewhere, and for an empty shard, its eager original
+        (``_eager_apply_gated_norm``), where the view costs one copy each way.
         """
         m, width = gate.shape
         dv = self.value_head_dim
@@ -530,9 +536,7 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         gate = gate.view(m, width // dv, dv)
         if blocks.device.type == "cuda" and m > 0:
             return self._apply_gated_norm(core, gate).view(m, width)
-        compiled = GatedDeltaNet._apply_gated_norm
-        eager = getattr(compiled, "_torchdynamo_orig_callable", compiled)
-        return eager(self, core, gate).view(m, width)
+        return _eager_apply_gated_norm(self, core, gate).view(m, width)
 
 
 def get_gated_delta_net_with_context_parallel_spec() -> ModuleSpec:
