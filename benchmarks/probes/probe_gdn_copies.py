@@ -121,6 +121,11 @@ def main():
             [returned, gate],
             returned.numel(),
         ),
+        "gated norm on the returned blocks, megatron's compiled given the view": (
+            lambda: layer._apply_gated_norm(blocks_view(returned), gate.view(n, -1, dv)),
+            [returned, gate],
+            returned.numel(),
+        ),
         "gated norm on the returned blocks, eager (the CPU path)": (
             lambda: eager_norm(layer, blocks_view(returned), gate.view(n, -1, dv)),
             [returned, gate],
@@ -143,6 +148,29 @@ def main():
             label = f"{name}, by {copies}" if moves_blocks else name
             print(f"| {label} | {moved / 1e6:.0f} | {f:.3f} | {b:.3f} | {moved / f / 1e6:.0f} |")
     gdn._as_words = words
+
+    # Compiles of the package's norm over 20 batches of random row counts (a compiler must not
+    # compile per batch): dynamo's frame and graph counters, around fresh layers' calls.
+    from torch._dynamo.utils import counters
+
+    if dev.type == "cuda":
+        torch._dynamo.reset()
+        counters.clear()
+        other = build_layer(args, dtype)
+        gen = torch.Generator().manual_seed(0)
+        for _i in range(20):
+            m = int(torch.randint(1, n, (1,), generator=gen))
+            blocks = torch.randn(cp * m, d_out // cp, device=dev, dtype=dtype, requires_grad=True)
+            g = torch.randn(m, d_out, device=dev, dtype=dtype, requires_grad=True)
+            for lay in (layer, other):
+                lay._gated_norm(blocks, g, cp).sum().backward()
+        torch.cuda.synchronize()
+        print(
+            "norm compiles over 20 random row counts x 2 layers:",
+            dict(counters["stats"]),
+            "recompiles:",
+            sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
+        )
 
     # The input projection: one GEMM then the cut, against batched GEMMs into the blocks.
     hidden = torch.randn(n, args.hidden, device=dev, dtype=dtype)
