@@ -13,7 +13,7 @@ import torch
 from _attention_ref import oracle_attention
 from _dist import run_distributed
 
-from megatron.context_parallel import ContextParallelPlan
+from megatron.context_parallel import ContextParallelPlan, attention_runs
 from megatron.context_parallel import _attention_cudnn as cudnn_kernel
 from megatron.context_parallel.attention_blocks import AttentionBlocks, build_attention_tables
 from megatron.context_parallel.attention_runs import AttentionRuns
@@ -234,6 +234,26 @@ def test_new_lengths_reuse_built_graphs():
     for plan in plans:
         _check(plan, 0, None, 8, 2, 64, torch.bfloat16, 1)
     assert cudnn_kernel.graph_builds() == again
+
+
+def test_batches_on_larger_recorded_shapes_match_the_oracle(monkeypatch):
+    """With ``SHAPE_REUSE`` a batch runs on a recorded kernel shape up to that much larger than
+    its own (more padding entries, longer padded rows and keys): same results, fewer graphs."""
+    monkeypatch.setattr(attention_runs, "SHAPE_REUSE", 1.5)
+    monkeypatch.setattr(attention_runs, "_SHAPES", set())
+    g = torch.Generator().manual_seed(4)
+    for kind in ("uneven", "thd", "zigzag", "random_half"):
+        plan, cu = _plan(kind, 1024, g)
+        own = AttentionRuns.build(plan, 0, _sequence(1024, cu))
+        attention_runs._SHAPES.clear()
+        # A recorded shape larger in every size, within the tolerance.
+        attention_runs._SHAPES.add(
+            (2 * own.batch, int(own.max_q * 1.4) + 1, int(own.max_kv * 1.4) + 1)
+        )
+        for rank in range(plan.cp_size):
+            runs = _check(plan, rank, cu, 8, 2, 128, torch.bfloat16, rank)
+            if rank == 0:
+                assert (runs.batch, runs.max_q, runs.max_kv) == min(attention_runs._SHAPES)
 
 
 def _w_group(rank, world, seed):

@@ -17,7 +17,7 @@ from _dist import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.context_parallel import ContextParallelPlan
+from megatron.context_parallel import ContextParallelPlan, attention_runs
 from megatron.context_parallel.attention_blocks import AttentionBlocks, choose_layout
 from megatron.context_parallel.attention_runs import AttentionRuns, _bucket
 from megatron.context_parallel.fused_attention import fused_attention
@@ -263,6 +263,47 @@ def test_buckets_bound_the_number_of_kernel_shapes():
     sizes = {_bucket(n, per_octave=8) for n in range(1000, 2001)}
     assert len(sizes) <= 9 and all(s >= 1000 for s in sizes)
     assert all(_bucket(n, 8) < 1.13 * n for n in range(64, 5000))
+
+
+def test_shape_reuse_takes_the_least_larger_recorded_shape(monkeypatch):
+    monkeypatch.setattr(attention_runs, "_SHAPES", set())
+    shared = attention_runs._shared_shape
+    monkeypatch.setattr(attention_runs, "SHAPE_REUSE", 1.0)
+    assert shared(4, 1000, 3000) == (4, 1000, 3000)
+    assert shared(4, 900, 2900) == (4, 900, 2900)  # off: every shape its own
+    monkeypatch.setattr(attention_runs, "SHAPE_REUSE", 1.25)
+    assert shared(4, 850, 2600) == (4, 900, 2900)  # the smaller of the two that cover it
+    assert shared(2, 850, 2600) == (4, 900, 2900)  # batch within 2x
+    assert shared(1, 850, 2600) == (1, 850, 2600)  # not within 2x: recorded
+    assert shared(4, 700, 2600) == (4, 700, 2600)  # rows beyond 1.25x: recorded
+    assert shared(8, 900, 2900) == (8, 900, 2900)  # a larger batch is never cut
+    assert len(attention_runs._SHAPES) == 5
+
+
+def test_shape_reuse_bounds_the_shapes_of_random_plans(monkeypatch):
+    """Over random uneven plans the recorded shapes (one set of kernel graphs each) stop growing
+    with reuse, and every batch's tables cover its entries."""
+    counts = {}
+    for tolerance in (1.0, 1.25):
+        monkeypatch.setattr(attention_runs, "SHAPE_REUSE", tolerance)
+        monkeypatch.setattr(attention_runs, "_SHAPES", set())
+        g = torch.Generator().manual_seed(0)
+        growth = []
+        for _i in range(120):
+            owner = torch.randint(0, 2, (4000 // 97,), generator=g).repeat_interleave(97)
+            rows = torch.nonzero(owner == 0).flatten()
+            plan = ContextParallelPlan.from_rank_positions(
+                [rows, torch.nonzero(owner == 1).flatten()], owner.numel()
+            )
+            if rows.numel() == 0:
+                continue
+            runs = _runs(plan, 0, merge_gap=1)
+            assert runs.entries <= runs.batch <= 2 * _bucket(runs.entries)
+            assert int(runs.q_len.max()) <= runs.max_q and int(runs.kv_len.max()) <= runs.max_kv
+            growth.append(len(attention_runs._SHAPES))
+        counts[tolerance] = growth
+    assert counts[1.25][-1] < counts[1.0][-1]
+    assert counts[1.25][-1] == counts[1.25][len(counts[1.25]) // 2]  # none in the second half
 
 
 def _w_gathered(rank, world, seed):

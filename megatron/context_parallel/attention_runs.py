@@ -158,13 +158,49 @@ def to_device(tables, device: torch.device, int32=()) -> list:
     return out
 
 
+# Kernel shapes (batch, max_q, max_kv) handed out in this process, and how much larger than a
+# batch's own bucketed shape one of them may be to serve it (1: off). Every kernel plan (a cuDNN
+# graph, ~0.1-0.2 s to build) is keyed by these sizes; a larger shape is exact for a smaller
+# batch (padding entries have no rows, cuDNN reads each entry's own lengths) and costs only the
+# padded tiles it walks. With reuse the set of shapes, and so of graph builds, stops growing
+# over random plans instead of adding one per new bucketed size. Measured on an H100 at
+# S = 20,436 over random uneven plans (benchmarks/probes/probe_shape_reuse.py): graph builds
+# 37 then 35 over two sets of 20 plans at 1 (off), 27 then 9 at 1.5; forward+backward on the
+# larger shapes 0.999x the own shapes' (median of 8 plans, worst 1.04x, within the noise).
+SHAPE_REUSE = 1.5
+_SHAPES: set = set()
+
+
+def _shared_shape(batch: int, max_q: int, max_kv: int) -> tuple:
+    """The recorded shape of least padded work covering ``(batch, max_q, max_kv)`` within
+    ``SHAPE_REUSE`` (the batch within 2x, as it is bucketed to powers of two), else this one,
+    recorded."""
+    if SHAPE_REUSE > 1:
+        fits = [
+            s
+            for s in _SHAPES
+            if batch <= s[0] <= 2 * batch
+            and max_q <= s[1] <= max_q * SHAPE_REUSE
+            and max_kv <= s[2] <= max_kv * SHAPE_REUSE
+        ]
+        if fits:
+            return min(fits, key=lambda s: (s[0] * s[1] * s[2], s))
+    _SHAPES.add((batch, max_q, max_kv))
+    return batch, max_q, max_kv
+
+
 def _kernel_sizes(q_len, kv_len, query_rows: int, mat_rows: int, shape_buckets: int) -> dict:
     """The bucketed sizes a kernel plan is keyed by (see ``AttentionRuns``)."""
     entries = int(q_len.numel())
+    batch, max_q, max_kv = _shared_shape(
+        _bucket(entries),
+        _bucket(int(q_len.max()) if entries else 1, shape_buckets),
+        _bucket(int(kv_len.max()) if entries else 1, shape_buckets),
+    )
     return dict(
-        batch=_bucket(entries),
-        max_q=_bucket(int(q_len.max()) if entries else 1, shape_buckets),
-        max_kv=_bucket(int(kv_len.max()) if entries else 1, shape_buckets),
+        batch=batch,
+        max_q=max_q,
+        max_kv=max_kv,
         # cuDNN sizes its dQ accumulator by these totals in multiples of 64 rows.
         total_q=-(-_bucket(query_rows, per_octave=8) // 64) * 64,
         total_mat=-(-_bucket(mat_rows, per_octave=8) // 64) * 64,

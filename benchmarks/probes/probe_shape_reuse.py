@@ -1,0 +1,106 @@
+"""Graph builds and speed of the fused attention when batches may run on a larger recorded
+kernel shape (``attention_runs.SHAPE_REUSE``) than their own bucketed one (issue 26: no
+recompilation over batches of new lengths).
+
+For each tolerance: the cuDNN graph builds over 20 random uneven plans at S = 20,436 (CP 2,
+rank 0 or the other rank when rank 0 owns nothing), then over 20 more new ones; then the
+forward+backward of the first ``--timed`` plans with their tables (and graphs) from the first
+pass, against the same plans at tolerance 1 (own shapes), timed in turns in one run.
+
+Run on a GPU with nvidia-cudnn-frontend: ``python benchmarks/probes/probe_shape_reuse.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import random
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench_attention import Case, _random_uneven_plan  # noqa: E402
+from bench_head import time_round_robin  # noqa: E402
+
+from megatron.context_parallel import _attention_cudnn, attention_runs  # noqa: E402
+
+
+def cases_at(tolerance, plans, device):
+    """Builds per pass of 20 plans, and the Case of each plan, built at ``tolerance`` from an
+    empty shape record and graph cache."""
+    attention_runs.SHAPE_REUSE = tolerance
+    attention_runs._SHAPES.clear()
+    _attention_cudnn._GRAPHS.clear()
+    _attention_cudnn._TOTALS.clear()
+    builds, cases = [], []
+    for half in (plans[:20], plans[20:]):
+        before = _attention_cudnn.graph_builds()
+        for plan in half:
+            case = Case(plan, 0 if plan.counts[0] else 1, None, device)
+            case.ours(True)
+            cases.append(case)
+        builds.append(_attention_cudnn.graph_builds() - before)
+    return builds, cases
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq-len", type=int, default=20436)
+    parser.add_argument("--tolerances", default="1.25,1.5")
+    parser.add_argument("--timed", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rng = random.Random(1)
+    plans = [_random_uneven_plan(args.seq_len, rng) for _ in range(40)]
+    tolerances = [1.0] + [float(t) for t in args.tolerances.split(",")]
+    built = {}
+    print("| tolerance | graph builds, 20 plans | next 20 plans | recorded shapes |")
+    print("|---|---|---|---|")
+    for tol in tolerances:
+        builds, cases = cases_at(tol, plans, device)
+        built[tol] = cases
+        print(f"| {tol} | {builds[0]} | {builds[1]} | {len(attention_runs._SHAPES)} |", flush=True)
+    # Every graph any tolerance used is still cached (keyed by shape), so the timing builds none.
+    print(
+        "\n| plan | entries | own shape (batch, max_q, max_kv) | "
+        + " | ".join(f"tol {t}: shape, time / own" for t in tolerances[1:])
+        + " | own ms |"
+    )
+    print("|---|---|---|" + "---|" * len(tolerances))
+    ratios = {t: [] for t in tolerances[1:]}
+    worst = {t: 0.0 for t in tolerances[1:]}
+    for i in range(args.timed):
+        fns = {t: (lambda c=built[t][i]: c.ours(True)) for t in tolerances}
+        ms = time_round_robin(fns, device, args.reps, 1)
+        own = built[1.0][i].runs
+        cells = []
+        mine = built[1.0][i].ours(True)
+        for t in tolerances[1:]:
+            r = built[t][i].runs
+            ratios[t].append(ms[t] / ms[1.0])
+            # Same inputs (a Case is seeded by its plan): outputs and gradients should agree.
+            diff = max((a.float() - b.float()).abs().max().item()
+                       for a, b in zip(built[t][i].ours(True), mine))  # fmt: skip
+            worst[t] = max(worst[t], diff)
+            cells.append(f"({r.batch}, {r.max_q}, {r.max_kv}) {ms[t] / ms[1.0]:.3f}")
+        print(
+            f"| {i} | {own.entries} | ({own.batch}, {own.max_q}, {own.max_kv}) | "
+            + " | ".join(cells)
+            + f" | {ms[1.0]:.2f} |",
+            flush=True,
+        )
+    for t, r in ratios.items():
+        print(
+            f"tolerance {t}: time / own shape, median {statistics.median(r):.3f}, "
+            f"worst {max(r):.3f}; max |difference| of output and gradients {worst[t]:.3g}"
+        )
+    attention_runs.SHAPE_REUSE = 1.0
+
+
+if __name__ == "__main__":
+    main()
