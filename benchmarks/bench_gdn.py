@@ -2,15 +2,18 @@
 
 ``ContextParallelGatedDeltaNet`` wraps the layer's sequence mixing in an exchange: on the way in,
 this rank's projected rows are cut into per-rank head blocks of the query, key, value, beta and
-alpha columns, the gate staying home (one copy, ``gdn._SendBlocks``), and the rows received by
-the all-to-all are put in source order (``ops.permute_rows``); on the way out the rule's output
+alpha columns, the gate staying home (one copy, ``gdn._SendBlocks``), and the convolution reads
+the rows received by the all-to-all in source order through the index tables (on CUDA a Triton
+kernel of the package, ``_gdn_conv``, in place of fla's on reordered rows; elsewhere the rows
+are reordered by ``ops.permute_rows`` first); on the way out the rule's output
 rows go back to receive order (``permute_rows``), and megatron's gated norm (compiled on CUDA)
 reads the received head blocks through a transposed view (no copy of its own). Once per batch
 the index tables (``HeadShardRows.build``) are built on the host. This script times those on
 one rank, forward + backward, against the same rank's layer: the projections on its rows, the
 convolution + gated delta rule on its head shard of every owned row and megatron's gated norm
-on its rows. What the package adds: the reorders, plus what the norm on the blocks costs beyond
-megatron's on contiguous rows (its layer's layout). The all-to-all itself is not timed (it
+on its rows. What the package adds: the reorders, plus what its convolution costs beyond fla's
+on rows already in order and what the norm on the blocks costs beyond megatron's on contiguous
+rows (its layer's layout). The all-to-all itself is not timed (it
 needs several GPUs).
 
 Shape (Qwen3.5-27B's Gated DeltaNet: ``Qwen3_5Config`` defaults): hidden 5,120, 16 key heads x
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_head import time_ms  # noqa: E402
+from megatron.core.ssm.gated_delta_net import common as _gdn_common  # noqa: E402
 
 from megatron.context_parallel import gdn  # noqa: E402
 from megatron.context_parallel.gdn import (  # noqa: E402
@@ -175,16 +179,36 @@ def measure(args) -> Dict[str, float]:
     first, width = layer._send_spans()[1]
     gate = local.detach()[:, first : first + width].requires_grad_()
     normed = leaf(n, 1, layer.v_dim)
-    conv_weight = layer._heads_of(
-        layer.conv1d.weight[:, 0], [layer.qk_dim, layer.qk_dim, layer.v_dim], 0, cp
-    )
+
+    # On CUDA with fla the layer's convolution reads the received rows through the source-order
+    # index (gdn._mix_received): no reorder on the way in, a convolution of its own instead.
+    gathered = torch.device(device).type == "cuda" and _gdn_common.HAVE_FLA
+    conv_weight, conv_bias = layer._conv_params(0, cp)
+    widths = list(layer._received_widths(cp))
 
     def reorders():
-        # The package's own steps around the two all-to-alls (gdn.py), nothing else.
+        # The package's own copies around the two all-to-alls (gdn.py), nothing else.
         send, gate_home = gdn._SendBlocks.apply(local, *layer._send_spans(), cp)
-        mine = permute_rows(received, tables.to_source, tables.from_source)
         back = permute_rows(mixed, tables.from_source, tables.to_source)
+        if gathered:
+            return send, gate_home, back
+        mine = permute_rows(received, tables.to_source, tables.from_source)
         return send, gate_home, mine, back
+
+    def conv_rows():
+        # megatron's layer: fla's convolution on its own rows (the received rows stand in).
+        return (layer._convolve(received[:, : widths[0]], conv_weight, conv_bias, tables),)
+
+    def conv_package():
+        # The layer's: through the index (CUDA), else the same as conv_rows after the reorder.
+        if not gathered:
+            return conv_rows()
+        from megatron.context_parallel._gdn_conv import gathered_causal_conv
+
+        return gathered_causal_conv(
+            received, conv_weight, conv_bias, tables.to_source, tables.from_source,
+            tables.offsets, widths[0], layer.activation,
+        )  # fmt: skip
 
     def reorders_by_element():
         # The same with the head-block copies one element at a time (no integer words).
@@ -217,7 +241,7 @@ def measure(args) -> Dict[str, float]:
         # The convolution and the rule alone on the same rows, the calls _mix makes.
         qk, v = layer.qk_dim // cp, layer.v_dim // cp
         hk, hv, d = layer.num_key_heads // cp, layer.num_value_heads // cp, args.head_dim
-        qkv = layer._convolve(received[:, : 2 * qk + v], conv_weight, None, tables)
+        qkv = layer._convolve(received[:, : 2 * qk + v], conv_weight, conv_bias, tables)
         q, k, val = torch.split(qkv, [qk, qk, v], dim=1)
         decay = -F.softplus(received[:, -hv:].float())
         beta = received[:, -2 * hv : -hv].sigmoid()
@@ -232,6 +256,8 @@ def measure(args) -> Dict[str, float]:
     activations = (hidden, local, received, mixed, returned, core_rows, gate, normed)
     pieces = (
         ("reorders", reorders),
+        ("conv_rows", conv_rows),
+        ("conv_package", conv_package),
         ("rule_and_conv", rule_and_conv),
         ("mixing", mixing),
         ("norm_rows", norm_rows),
@@ -242,7 +268,13 @@ def measure(args) -> Dict[str, float]:
     for name, fn in pieces:
         with torch.no_grad():
             ms[name + "_fwd"] = time_ms(fn, torch.device(device), args.reps, args.warmup)
-    ms["added_fwd"] = ms["reorders_fwd"] + ms["norm_blocks_fwd"] - ms["norm_rows_fwd"]
+    ms["added_fwd"] = (
+        ms["reorders_fwd"]
+        + ms["conv_package_fwd"]
+        - ms["conv_rows_fwd"]
+        + ms["norm_blocks_fwd"]
+        - ms["norm_rows_fwd"]
+    )
     ms["layer_fwd"] = ms["added_fwd"] + ms["mixing_fwd"] + ms["projections_fwd"]
     ms["overhead_of_layer_fwd"] = ms["added_fwd"] / ms["layer_fwd"]
     ms["guard_lifted"] = bool(args.lift_fla_hopper_guard)
@@ -269,7 +301,10 @@ def measure(args) -> Dict[str, float]:
         args.warmup,
     )
     ms["tables_host"] = host
-    ms["added"] = ms["reorders"] + ms["norm_blocks"] - ms["norm_rows"]
+    ms["added"] = (
+        ms["reorders"] + ms["conv_package"] - ms["conv_rows"] + ms["norm_blocks"] - ms["norm_rows"]
+    )
+    ms["gathered_conv"] = gathered
     ms["layer"] = ms["added"] + ms["mixing"] + ms["projections"]
     ms["overhead_of_layer"] = ms["added"] / ms["layer"]
     ms["overhead_of_rule_and_conv"] = ms["added"] / ms["rule_and_conv"]
@@ -286,7 +321,14 @@ def table(args, ms: Dict[str, float]) -> str:
             "gated norm fwd on rows (megatron's layout) / on the returned blocks (ours)",
             f"{ms['norm_rows_fwd']:.3f} / {ms['norm_blocks_fwd']:.3f} ms",
         ),
-        ("added fwd: reorders + norm on blocks - norm on rows", f"{ms['added_fwd']:.3f} ms"),
+        (
+            "convolution fwd on rows (megatron's) / the package's",
+            f"{ms['conv_rows_fwd']:.3f} / {ms['conv_package_fwd']:.3f} ms",
+        ),
+        (
+            "added fwd: reorders + (conv - conv on rows) + (norm on blocks - norm on rows)",
+            f"{ms['added_fwd']:.3f} ms",
+        ),
         ("conv + gated delta rule fwd", f"{ms['rule_and_conv_fwd']:.3f} ms"),
         ("mixing fwd", f"{ms['mixing_fwd']:.3f} ms"),
         ("in/out projections fwd", f"{ms['projections_fwd']:.3f} ms"),
@@ -305,7 +347,15 @@ def table(args, ms: Dict[str, float]) -> str:
             "gated norm fwd+bwd on rows / on the returned blocks",
             f"{ms['norm_rows']:.3f} / {ms['norm_blocks']:.3f} ms",
         ),
-        ("added fwd+bwd: reorders + norm on blocks - norm on rows", f"{ms['added']:.3f} ms"),
+        (
+            "convolution fwd+bwd on rows (megatron's) / the package's"
+            + (" (through the index)" if ms.get("gathered_conv") else ""),
+            f"{ms['conv_rows']:.3f} / {ms['conv_package']:.3f} ms",
+        ),
+        (
+            "added fwd+bwd: reorders + (conv - conv on rows) + (norm on blocks - norm on rows)",
+            f"{ms['added']:.3f} ms",
+        ),
         ("conv + gated delta rule fwd+bwd", f"{ms['rule_and_conv']:.3f} ms"),
         ("mixing fwd+bwd (conv, rule, gates, norm)", f"{ms['mixing']:.3f} ms"),
         ("in/out projections fwd+bwd", f"{ms['projections']:.3f} ms"),

@@ -11,9 +11,13 @@ megatron's parameters, projections and checkpoint layout and replaces that excha
 2. ONE all-to-all over the CP group sends every rank the columns of its heads (rank ``c`` gets
    the ``c``-th ``1/cp`` of the query, key, value, beta and alpha heads of this TP rank) of
    every owned row; the output gate (z) stays on the row's rank;
-3. the package's row kernel (``ops.permute_rows``) puts the received rows in SOURCE order;
-4. the convolution and the gated delta rule run per packed sequence over whole sequences
-   (``cu_seqlens`` of the owned rows): fla's kernels on CUDA, plain torch elsewhere;
+3. the convolution runs per packed sequence over whole sequences in SOURCE order: on CUDA a
+   Triton kernel of the package (``_gdn_conv``) reads each source row where the all-to-all put
+   it, through the index tables, and writes its gradient back there (no reordered copy);
+   elsewhere the package's row kernel (``ops.permute_rows``) reorders the rows first and plain
+   torch convolves them;
+4. the gated delta rule runs on the source-ordered result per packed sequence (``cu_seqlens``
+   of the owned rows): fla's chunked kernel on CUDA, plain torch elsewhere;
 5. the inverse reorder and ONE all-to-all back to row shards; there the gated output norm
    runs on the received head blocks, read as rows through a transposed view (it is per value
    head and per row, so the gate needs no exchange; on CUDA megatron's compiled norm reads the
@@ -396,9 +400,10 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
             )
         else:
             blocks, gate = _SendBlocks.apply(local, *self._send_spans(), cp)
-            mine = self._to_head_shard(blocks, rows, cp, group, tables)
-            qkv, beta, alpha = torch.split(mine, list(self._received_widths(cp)), dim=1)
-            core = self._mix(qkv, beta, alpha, tables, params.rank, cp)
+            received = all_to_all_over_context_parallel_region(
+                blocks, [rows] * cp, tables.counts, group
+            )
+            core = self._mix_received(received, tables, params.rank, cp)
             out = self._gated_norm(self._to_row_shard(core, rows, cp, group, tables), gate, cp)
         if params.padding_rows:
             out = torch.cat([out, out.new_zeros(params.padding_rows, out.shape[1])])
@@ -419,16 +424,6 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         qk, v, hv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
         return (2 * qk + v) // cp, hv // cp, hv // cp
 
-    def _to_head_shard(
-        self, blocks: Tensor, rows: int, cp: int, group, tables: HeadShardRows
-    ) -> Tensor:
-        """``[cp * rows, W]`` head blocks of this rank's rows -> ``[owned, W]`` this rank's head
-        chunk of every owned row, source order."""
-        received = all_to_all_over_context_parallel_region(
-            blocks, [rows] * cp, tables.counts, group
-        )
-        return permute_rows(received, tables.to_source, tables.from_source)
-
     def _to_row_shard(
         self, mixed: Tensor, rows: int, cp: int, group, tables: HeadShardRows
     ) -> Tensor:
@@ -447,6 +442,43 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         parts = torch.split(param, list(sections), dim=0)
         return torch.cat([p.reshape(cp, -1, *p.shape[1:])[chunk] for p in parts], dim=0)
 
+    def _conv_params(self, chunk: int, cp: int):
+        """The convolution's ``weight`` ``[C, K]`` and ``bias`` (or None) of head chunk
+        ``chunk`` of ``cp``: rows of the q, k and v sections."""
+        conv_sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
+        weight = self._heads_of(self.conv1d.weight[:, 0], conv_sections, chunk, cp)
+        bias = self.conv1d.bias
+        if bias is not None:
+            bias = self._heads_of(bias, conv_sections, chunk, cp)
+        return weight, bias
+
+    def _mix_received(self, received: Tensor, tables: HeadShardRows, chunk: int, cp: int):
+        """``_mix`` of the rows as the all-to-all delivers them: ``received`` ``[owned, W]``
+        (columns q, k, v, beta, alpha of head chunk ``chunk``), grouped by sending rank.
+
+        On CUDA with fla (the layer's CUDA path) the convolution reads them in source order
+        through ``tables.to_source`` and writes their gradient back in place
+        (``_gdn_conv.gathered_causal_conv``), with no reordered copy; elsewhere they are put in
+        source order by the row kernel first."""
+        widths = list(self._received_widths(cp))
+        if (
+            received.device.type == "cuda"
+            and _gdn_common.HAVE_FLA
+            and self.activation in ("silu", "swish", None)
+        ):
+            from megatron.context_parallel._gdn_conv import gathered_causal_conv
+
+            weight, bias = self._conv_params(chunk, cp)
+            qkv, rest = gathered_causal_conv(
+                received, weight, bias, tables.to_source, tables.from_source, tables.offsets,
+                widths[0], self.activation,
+            )  # fmt: skip
+            beta, alpha = torch.split(rest, widths[1:], dim=1)
+            return self._rule(qkv, beta, alpha, tables, chunk, cp)
+        mine = permute_rows(received, tables.to_source, tables.from_source)
+        qkv, beta, alpha = torch.split(mine, widths, dim=1)
+        return self._mix(qkv, beta, alpha, tables, chunk, cp)
+
     def _mix(
         self, qkv: Tensor, beta: Tensor, alpha: Tensor, tables: HeadShardRows, chunk: int, cp: int
     ) -> Tensor:
@@ -455,22 +487,23 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         ``qkv`` ``[owned, (2 * qk + v) / cp]``, ``beta`` and ``alpha`` ``[owned, hv / cp]``, in
         source order (views of the received rows); returns the rule's output ``[owned, V /
         cp]`` (the gated norm runs where the gate is: ``forward``)."""
+        weight, bias = self._conv_params(chunk, cp)
+        return self._rule(self._convolve(qkv, weight, bias, tables), beta, alpha, tables, chunk, cp)
+
+    def _rule(
+        self, qkv: Tensor, beta: Tensor, alpha: Tensor, tables: HeadShardRows, chunk: int, cp: int
+    ) -> Tensor:
+        """The gates and the gated delta rule of head chunk ``chunk`` on the convolved (and
+        activated) ``qkv`` ``[owned, (2 * qk + v) / cp]``, with ``beta`` and ``alpha`` ``[owned,
+        hv / cp]``, all in source order; returns ``[owned, V / cp]``."""
         qk, v = self.qk_dim_local_tp // cp, self.v_dim_local_tp // cp
         hk, hv = self.num_k_heads_local_tp // cp, self.num_v_heads_local_tp // cp
         dk, dv = self.key_head_dim, self.value_head_dim
         n = qkv.shape[0]
-
-        conv_sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
-        weight = self._heads_of(self.conv1d.weight[:, 0], conv_sections, chunk, cp)
-        bias = self.conv1d.bias
-        if bias is not None:
-            bias = self._heads_of(bias, conv_sections, chunk, cp)
         a_log = self._heads_of(self.A_log, [self.num_v_heads_local_tp], chunk, cp)
         dt_bias = self._heads_of(self.dt_bias, [self.num_v_heads_local_tp], chunk, cp)
         decay = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         beta = beta.sigmoid()
-
-        qkv = self._convolve(qkv, weight, bias, tables)
         query, key, value = torch.split(qkv, [qk, qk, v], dim=1)
         query, key = query.reshape(1, n, hk, dk), key.reshape(1, n, hk, dk)
         core = self._delta_rule(query, key, value.reshape(1, n, hv, dv), decay, beta, tables)
