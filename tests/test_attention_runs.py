@@ -266,7 +266,7 @@ def test_buckets_bound_the_number_of_kernel_shapes():
 
 
 def test_shape_reuse_takes_the_least_larger_recorded_shape(monkeypatch):
-    monkeypatch.setattr(attention_runs, "_SHAPES", set())
+    monkeypatch.setattr(attention_runs, "_SHAPES", {})
     shared = attention_runs._shared_shape
     monkeypatch.setattr(attention_runs, "SHAPE_REUSE", 1.0)
     assert shared(4, 1000, 3000) == (4, 1000, 3000)
@@ -277,7 +277,16 @@ def test_shape_reuse_takes_the_least_larger_recorded_shape(monkeypatch):
     assert shared(1, 850, 2600) == (1, 850, 2600)  # not within 2x: recorded
     assert shared(4, 700, 2600) == (4, 700, 2600)  # rows beyond 1.25x: recorded
     assert shared(8, 900, 2900) == (8, 900, 2900)  # a larger batch is never cut
-    assert len(attention_runs._SHAPES) == 5
+    assert attention_runs.recorded_shapes() == {
+        (4, 1000, 3000), (4, 900, 2900), (1, 850, 2600), (4, 700, 2600), (8, 900, 2900)
+    }  # fmt: skip
+    # A shape once chosen stays: with (4, 860, 2610) recorded since, which would cover
+    # (4, 850, 2600) with less padding, that shape keeps (4, 900, 2900), whose graphs it ran on.
+    monkeypatch.setattr(attention_runs, "SHAPE_REUSE", 1.0)
+    assert shared(4, 860, 2610) == (4, 860, 2610)
+    monkeypatch.setattr(attention_runs, "SHAPE_REUSE", 1.25)
+    assert shared(4, 850, 2600) == (4, 900, 2900)
+    assert shared(4, 855, 2600) == (4, 860, 2610)  # a new one takes the least padded
 
 
 def test_shape_reuse_bounds_the_shapes_of_random_plans(monkeypatch):
@@ -286,7 +295,7 @@ def test_shape_reuse_bounds_the_shapes_of_random_plans(monkeypatch):
     counts = {}
     for tolerance in (1.0, 1.25):
         monkeypatch.setattr(attention_runs, "SHAPE_REUSE", tolerance)
-        monkeypatch.setattr(attention_runs, "_SHAPES", set())
+        monkeypatch.setattr(attention_runs, "_SHAPES", {})
         g = torch.Generator().manual_seed(0)
         growth = []
         for _i in range(120):
@@ -300,7 +309,7 @@ def test_shape_reuse_bounds_the_shapes_of_random_plans(monkeypatch):
             runs = _runs(plan, 0, merge_gap=1)
             assert runs.entries <= runs.batch <= 2 * _bucket(runs.entries)
             assert int(runs.q_len.max()) <= runs.max_q and int(runs.kv_len.max()) <= runs.max_kv
-            growth.append(len(attention_runs._SHAPES))
+            growth.append(len(attention_runs.recorded_shapes()))
         counts[tolerance] = growth
     assert counts[1.25][-1] < counts[1.0][-1]
     assert counts[1.25][-1] == counts[1.25][len(counts[1.25]) // 2]  # none in the second half

@@ -168,25 +168,39 @@ def to_device(tables, device: torch.device, int32=()) -> list:
 # 37 then 35 over two sets of 20 plans at 1 (off), 27 then 9 at 1.5; forward+backward on the
 # larger shapes 0.999x the own shapes' (median of 8 plans, worst 1.04x, within the noise).
 SHAPE_REUSE = 1.5
-_SHAPES: set = set()
+# Each batch's own bucketed shape -> the shape it runs on. A shape, once chosen, stays chosen
+# for that own shape: a batch that comes again runs on the graphs it ran on before (a later
+# record must not move it to a shape whose backward graph was built for smaller totals).
+_SHAPES: Dict[tuple, tuple] = {}
+
+
+def recorded_shapes() -> set:
+    """The kernel shapes handed out so far in this process."""
+    return set(_SHAPES.values())
 
 
 def _shared_shape(batch: int, max_q: int, max_kv: int) -> tuple:
-    """The recorded shape of least padded work covering ``(batch, max_q, max_kv)`` within
-    ``SHAPE_REUSE`` (the batch within 2x, as it is bucketed to powers of two), else this one,
-    recorded."""
+    """The shape a batch whose own bucketed shape is ``(batch, max_q, max_kv)`` runs on: the one
+    chosen before for that shape; else the recorded shape of least padded work covering it
+    within ``SHAPE_REUSE`` (the batch within 2x, as it is bucketed to powers of two); else its
+    own, recorded."""
+    own = (batch, max_q, max_kv)
+    chosen = _SHAPES.get(own)
+    if chosen is not None:
+        return chosen
+    chosen = own
     if SHAPE_REUSE > 1:
         fits = [
             s
-            for s in _SHAPES
+            for s in recorded_shapes()
             if batch <= s[0] <= 2 * batch
             and max_q <= s[1] <= max_q * SHAPE_REUSE
             and max_kv <= s[2] <= max_kv * SHAPE_REUSE
         ]
         if fits:
-            return min(fits, key=lambda s: (s[0] * s[1] * s[2], s))
-    _SHAPES.add((batch, max_q, max_kv))
-    return batch, max_q, max_kv
+            chosen = min(fits, key=lambda s: (s[0] * s[1] * s[2], s))
+    _SHAPES[own] = chosen
+    return chosen
 
 
 def _kernel_sizes(q_len, kv_len, query_rows: int, mat_rows: int, shape_buckets: int) -> dict:
