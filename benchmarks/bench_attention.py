@@ -22,14 +22,17 @@ batches of random plans.
 
 ``--model`` adds the GPTModel row: 4 layers shaped like a 27B dense model (hidden 5,120, 40/8
 heads, FFN 17,408), S = 20,436, the uneven plan's rank-0 rows run at CP 1 (a world-1 group,
-rows permuted), forward+backward time and the share of attention in it (megatron-core needed).
+rows permuted), forward+backward time and the share of attention in it (megatron-core needed),
+and the tables' exposed cost: the step building them against the step reusing them, in turns
+over ``--model-reps`` rounds (the host builds them while the GPU runs the layers before the
+first attention; what the step does not hide shows here).
 
 ``--tables-only`` (CPU or GPU) times only the per-batch tables of every case, built by the C++
 builders (``megatron.context_parallel._host``) and by the torch-op reference in turns, each
 including the copy to the device: the host cost a micro-batch pays before its first layer.
 
 Usage: python benchmarks/bench_attention.py [--sizes 20436,131072] [--reps 5] [--no-flex]
-                                            [--model] [--out DIR]
+                                            [--model [--model-reps 8]] [--out DIR]
        python benchmarks/bench_attention.py --tables-only [--sizes ...] [--reps 20]
 """
 
@@ -506,18 +509,30 @@ def model_row(device, reps):
         finally:
             attention.build_attention_tables = fresh
 
-    times = time_round_robin(
-        {"model": step, "model, tables reused": step_reusing_tables}, device, reps, 1
+    # The tables' exposed cost: a step building them against one reusing them, per round (both
+    # in every round, in turns), so that the step's drift between rounds cancels.
+    times, ratios = time_round_robin(
+        {"model": step, "model, tables reused": step_reusing_tables},
+        device,
+        reps,
+        1,
+        unit="model, tables reused",
     )
     model_ms = times["model"]
+    exposed_ms = (ratios["model"] - 1) * times["model, tables reused"]
     case = Case(plan, 0, None, device)
     attn_ms = time_round_robin({"attn": lambda: case.ours(True)}, device, reps, 1)["attn"]
     return {
         "model fwd+bwd ms": model_ms,
         "model fwd+bwd ms, tables reused": times["model, tables reused"],
         "tables ms (host, per micro-batch)": case.build_ms,
+        "tables exposed ms (step building them / step reusing them - 1, median over rounds)": (
+            exposed_ms
+        ),
+        "rounds": reps,
         "attention fwd+bwd ms (one layer)": attn_ms,
         "attention share": 4 * attn_ms / model_ms,
+        "tables exposed / one layer's attention fwd+bwd": exposed_ms / attn_ms,
         "rows": int(rows.numel()),
     }
 
@@ -580,6 +595,9 @@ def main():
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--flex-long", action="store_true", help="FlexAttention at S > 32k too")
     parser.add_argument("--model", action="store_true")
+    parser.add_argument(
+        "--model-reps", type=int, default=8, help="rounds of the GPTModel row (both steps each)"
+    )
     parser.add_argument("--profile", action="store_true", help="kernel table of two cases")
     parser.add_argument("--profile-layout", default="blocks", help="also profile this layout")
     parser.add_argument(
@@ -642,7 +660,7 @@ def main():
         results["graph builds"] = graph_builds_over_random_plans(20436, device)
         print(json.dumps(results["graph builds"]), flush=True)
     if args.model:
-        results["model"] = model_row(device, max(2, args.reps // 2))
+        results["model"] = model_row(device, args.model_reps)
         print(json.dumps(results["model"]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
