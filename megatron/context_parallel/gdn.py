@@ -84,7 +84,7 @@ class HeadShardRows:
             sequences that own at least one row (empty ones are dropped).
         cu_seqlens_cpu: the same on the host (fla's kernels read it without a device sync).
         offsets: int64 ``[owned]`` on the device: each source-ordered row's index within its
-            sequence's owned rows (the torch convolution's causal mask).
+            sequence's owned rows (the convolution's causal mask, torch's and ``_gdn_conv``'s).
     """
 
     counts: Tuple[int, ...]
