@@ -3,7 +3,7 @@
 ``gdn.ContextParallelGatedDeltaNet`` receives each owned row's head chunk in receive order (rows
 grouped by the rank that sent them) and needs them in source order for the causal depthwise
 convolution. Reordering them first is a full copy each way (~0.35 ms of a ~19 ms layer
-forward+backward at S = 20,436 on an H100: benchmarks/RESULTS.md, "Session 21"). Here the
+forward+backward at S = 20,436 on an H100). Here the
 convolution itself reads each source row where it was received, and its backward writes each
 row's gradient back there, so the received rows are never reordered:
 
@@ -45,19 +45,27 @@ _ACTIVATIONS = (None, "silu", "swish")
 
 
 @triton.jit
+def _tile(offsets, N, C: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """This program's tile: row tile index, source rows ``[BT, 1]``, channels ``[1, BD]``, their
+    masks and each row's index within its sequence ``[BT, 1]``.
+
+    Row quantities are [BT, 1] and channel ones [1, BD] throughout: Triton 3.6 miscompiles a 1-D
+    row mask used by both a 1-D and a broadcast 2-D load ("mask type matches ptr type")."""
+    i_d, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_t = i_t * BT + tl.arange(0, BT)[:, None]
+    o_d = i_d * BD + tl.arange(0, BD)[None, :]
+    m_t = o_t < N
+    pos = tl.load(offsets + o_t, mask=m_t, other=0)
+    return i_t, o_t, o_d, m_t, o_d < C, pos
+
+
+@triton.jit
 def _conv_fwd_kernel(
     x, stride_x, to_source, offsets, weight, bias, y, N,
     C: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    # Row quantities are [BT, 1] and channel ones [1, BD] throughout: Triton 3.6 miscompiles a
-    # 1-D row mask used by both a 1-D and a broadcast 2-D load ("mask type matches ptr type").
-    i_d, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    o_t = i_t * BT + tl.arange(0, BT)[:, None]
-    o_d = i_d * BD + tl.arange(0, BD)[None, :]
-    m_t = o_t < N
-    m_d = o_d < C
-    pos = tl.load(offsets + o_t, mask=m_t, other=0)
+    _, o_t, o_d, m_t, m_d, pos = _tile(offsets, N, C, BT, BD)
     acc = tl.zeros((BT, BD), dtype=tl.float32)
     # Oldest row first, as fla sums.
     for i_w in tl.static_range(-K + 1, 1):
@@ -84,14 +92,9 @@ def _conv_bwd_kernel(
     C: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    i_d, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    o_t = i_t * BT + tl.arange(0, BT)[:, None]
-    o_d = i_d * BD + tl.arange(0, BD)[None, :]
-    o_c = i_d * BD + tl.arange(0, BD)  # channels of the per-tile sums
-    m_t = o_t < N
-    m_d = o_d < C
+    i_t, o_t, o_d, m_t, m_d, pos = _tile(offsets, N, C, BT, BD)
+    o_c = tl.program_id(0) * BD + tl.arange(0, BD)  # channels of the per-tile sums
     m_x = m_t & m_d
-    pos = tl.load(offsets + o_t, mask=m_t, other=0)
     row = tl.load(to_source + o_t, mask=m_t, other=0)
     b_x = tl.load(x + row * stride_x + o_d, mask=m_x, other=0.0)
     b_dx = tl.zeros((BT, BD), dtype=tl.float32)
