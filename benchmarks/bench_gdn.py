@@ -13,8 +13,7 @@ one rank, forward + backward, against the same rank's layer: the projections on 
 convolution + gated delta rule on its head shard of every owned row and megatron's gated norm
 on its rows. What the package adds: the reorders, plus what its convolution costs beyond fla's
 on rows already in order and what the norm on the blocks costs beyond megatron's on contiguous
-rows (its layer's layout). The all-to-all itself is not timed (it
-needs several GPUs).
+rows (its layer's layout). The all-to-all itself is not timed (it needs several GPUs).
 
 Shape (Qwen3.5-27B's Gated DeltaNet: ``Qwen3_5Config`` defaults): hidden 5,120, 16 key heads x
 128, 48 value heads x 128, convolution kernel 4; bf16; S = 20,436 rows in 4 packed sequences
@@ -230,7 +229,7 @@ def measure(args) -> Dict[str, float]:
 
     def mixing():
         # The head chunk's convolution and rule, and megatron's gated norm on the rank's rows.
-        qkv, beta, alpha = torch.split(received, list(layer._received_widths(cp)), dim=1)
+        qkv, beta, alpha = torch.split(received, widths, dim=1)
         return layer._mix(qkv, beta, alpha, tables, 0, cp), norm_rows()[0]
 
     def norm_blocks():
