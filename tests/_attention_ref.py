@@ -68,7 +68,7 @@ class ReferenceKernel:
         heads, groups = q.shape[1], kv.shape[1]
         dq = torch.zeros_like(q)
         # Rows no entry writes stay zero, as the cuDNN kernel's zero-initialised buffers do.
-        dkv = kv.new_zeros((runs.mat_rows,) + tuple(kv.shape[1:]))
+        dkv = kv.new_zeros((2, runs.mat_rows, groups, d))  # key gradients, value gradients
         copies = runs.materialize and not cls.shared_keys_in_backward
         for e in range(runs.entries):
             qs, ql = int(runs.q_start[e]), int(runs.q_len[e])
@@ -89,9 +89,8 @@ class ReferenceKernel:
             fold = (kl, groups, heads // groups, d)
             dq[qs : qs + ql] = gq.to(dq.dtype)
             # Written, not added: entries do not share gradient rows.
-            dkv[ms : ms + kl] = torch.cat(
-                [gk.reshape(fold).sum(2), gv.reshape(fold).sum(2)], dim=-1
-            ).to(dkv.dtype)
+            dkv[0, ms : ms + kl] = gk.reshape(fold).sum(2).to(dkv.dtype)
+            dkv[1, ms : ms + kl] = gv.reshape(fold).sum(2).to(dkv.dtype)
         return dq, dkv
 
 

@@ -364,9 +364,37 @@ def test_backward_on_shared_key_ranges(kind):
     """Whether cuDNN's backward may read overlapping key ranges (no per-entry copies)."""
     g = torch.Generator().manual_seed(4)
     plan, cu = _plan(kind, 1024, g)
+    before = cudnn_kernel.shared_keys_in_backward
     cudnn_kernel.shared_keys_in_backward = True
     try:
         runs = _check(plan, 0, cu, 8, 2, 128, torch.bfloat16, 9)
     finally:
-        cudnn_kernel.shared_keys_in_backward = False
+        cudnn_kernel.shared_keys_in_backward = before
     assert runs.materialize
+
+
+@pytest.mark.parametrize("kind", ["zigzag", "uneven", "thd", "random_half"])
+@pytest.mark.parametrize("heads,groups,dim", [(8, 2, 128), (10, 2, 64)])
+def test_backward_writes_only_the_workspace_it_asked_for(kind, heads, groups, dim, monkeypatch):
+    """``exact_key_workspace`` gives a GQA backward graph half the key total (cuDNN's frontend
+    sizes its 16-bit per-head key gradients at four bytes an element): a guard region after
+    every workspace keeps its bytes, and the gradients still match the oracle (a kernel writing
+    past its halved buffers would spill into the next one or past the end)."""
+    guards = []
+
+    def guarded(size, device):
+        size = max(int(size), 1)
+        buf = torch.full((size + (1 << 20),), 0x5A, dtype=torch.uint8, device=device)
+        guards.append((buf, size))
+        return buf
+
+    monkeypatch.setattr(cudnn_kernel, "_workspace", guarded)
+    monkeypatch.setattr(cudnn_kernel, "exact_key_workspace", True)
+    g = torch.Generator().manual_seed(5)
+    plan, cu = _plan(kind, 2048, g)
+    blocks = {} if kind == "random_half" else None
+    _check(plan, 0, cu, heads, groups, dim, torch.bfloat16, 11, blocks=blocks)
+    torch.cuda.synchronize()
+    assert len(guards) >= 2
+    for buf, size in guards:
+        assert bool((buf[size:] == 0x5A).all()), (kind, size)

@@ -1,7 +1,8 @@
 """The blocked attention's merge and row sums: the Triton kernels (through Triton's interpreter,
 in a subprocess) against the torch path, which the CPU tests of the fused path already check
 against the oracle; fp16 / fp32 inputs (the interpreter's bf16 is unreliable), rows without
-bulk keys (-inf), repeated source rows."""
+bulk keys (-inf), repeated source rows; the split key gradients' slot sums and row adds, read
+dense or strided, with missing (-1) copies."""
 
 from __future__ import annotations
 
@@ -48,6 +49,36 @@ for dtype in (torch.float16, torch.float32):
         sums._use_triton = lambda *t: True
         sums.add_rows(got, dst, source, rows)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    # Split key gradients [2, M, G, d], dense or a strided view of interleaved rows, read into
+    # [G, 2d] slot rows; the reference interleaves them by indexing alone.
+    m, groups, d, slots = 13, 3, 8, 17
+    dense = torch.randn(2, m, groups, d, generator=g).to(dtype)
+    rows = torch.randn(m, groups, 2 * d, generator=g).to(dtype)
+    strided = rows.view(m, groups, 2, d).permute(2, 0, 1, 3)
+    for keys, slot_rows in ((dense, torch.cat([dense[0], dense[1]], -1)), (strided, rows)):
+        torch.testing.assert_close(sums.interleave(keys), slot_rows, rtol=0, atol=0)
+        for count in (1, 2, 3):
+            copies = torch.randint(-1, m, (count, slots), generator=g)
+            want = torch.zeros(slots, groups, 2 * d)
+            for row in copies:
+                picked = slot_rows[row.clamp(min=0)].float()
+                want += torch.where((row >= 0)[:, None, None], picked, 0)
+            sums._use_triton = lambda *t: True
+            got = sums.slot_sums(keys, copies)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
+            sums._use_triton = lambda *t: False
+            torch.testing.assert_close(sums.slot_sums(keys, copies), got, rtol=0, atol=0)
+        acc = torch.randn(20, groups, 2 * d, generator=g)
+        dst = torch.randperm(20, generator=g)[:m]
+        want = acc.clone()
+        want[dst] += slot_rows.float()
+        for triton_on in (True, False):
+            got = acc.clone()
+            sums._use_triton = lambda *t, on=triton_on: on
+            sums.add_key_rows(got, dst, keys)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 print("ok")
 """
 

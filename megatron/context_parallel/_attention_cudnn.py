@@ -13,7 +13,8 @@ Shapes (``H`` query heads, ``G`` key/value heads, ``d`` head dim; GQA is native,
 
 * forward: ``q`` ``[Tq, H, d]``, ``kv`` ``[N, G, 2d]`` (keys in ``[..., :d]``, values in
   ``[..., d:]``) -> ``o`` ``[Tq, H, d]`` and the softmax log-sum-exp ``[Tq, H]`` fp32.
-* backward: the same plus ``do`` -> ``dq`` ``[Tq, H, d]``, ``dkv`` ``[M, G, 2d]``.
+* backward: the same plus ``do`` -> ``dq`` ``[Tq, H, d]``, ``dkv`` ``[2, M, G, d]`` (key
+  gradients, then value gradients: ``_attention_sums`` reads them into slot rows).
 
 Graphs are built once per bucketed shape (``AttentionRuns.batch / max_q / max_kv / total_*``)
 and cached: a batch with new lengths reuses them. ``graph_builds()`` counts builds.
@@ -42,6 +43,21 @@ _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DQ, _OFF_DK, _OFF_DV = range(20
 # of the keys: checked against the oracle on the H200 (tests/test_attention_cuda.py), no slower,
 # and it saves one copy of the keys per layer.
 shared_keys_in_backward = True
+
+# The backward writes dK and dV to two dense ``[M, G, d]`` buffers (returned as one
+# ``[2, M, G, d]``), not into the interleaved ``[M, G, 2d]`` layout of the keys. With GQA cuDNN's
+# backward workspace holds per-query-head fp32 dK and dV laid out with the outputs' token stride
+# times ``H / G``, so the interleaved layout (False) doubles them: measured on an H100 at
+# S = 20,436, 40 / 8 heads, d = 128, one call's workspace 2.23 GiB against 1.21
+# (benchmarks/probes/probe_key_gradient_layout.py).
+separate_key_gradients = True
+
+# cuDNN's frontend (1.32) sizes a ragged GQA backward's per-query-head dK / dV workspace at four
+# bytes an element while the backend writes them in the inputs' 16-bit type, so the second half
+# of each is never touched. With this set, the key total the graph is given (it sizes nothing
+# else) is halved, plus one row, so that those two buffers are the size they are used at. Checked
+# on an H100 by a guard region after the workspace (tests/test_attention_cuda.py).
+exact_key_workspace = True
 
 # Extra ``cudnn.pygraph`` arguments for every graph built (probes try cuDNN's dynamic shapes and
 # kernel cache through it).
@@ -201,7 +217,9 @@ def _forward_graph(handle, dtype, runs, heads, groups, dim, scale, want_stats):
     return _finish(g)
 
 
-def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, deterministic):
+def _backward_graph(
+    handle, dtype, runs, totals, heads, groups, dim, scale, deterministic, separate
+):
     cudnn = _cudnn()
     g, io, mask, q, k, v = _start_graph(handle, dtype, runs, heads, groups, dim)
     b, sq, skv = runs.batch, runs.max_q, runs.max_kv
@@ -224,19 +242,29 @@ def _backward_graph(handle, dtype, runs, totals, heads, groups, dim, scale, dete
         stats=stats,
         attn_scale=scale,
         max_total_seq_len_q=totals[0],
-        max_total_seq_len_kv=totals[1],
+        max_total_seq_len_kv=_key_total(totals[1], heads, groups),
         use_deterministic_algorithm=deterministic,
         **mask,
     )
+    # dK / dV: dense [M, G, d] buffers or the interleaved [M, G, 2d] (separate_key_gradients).
+    out_tok, out_hs = (groups * dim, dim) if separate else (kv_tok, 2 * dim)
     for t, uid, h, tok, hs, name, off in (
         (dq, _DQ, heads, q_tok, dim, "off_dq", _OFF_DQ),
-        (dk, _DK, groups, kv_tok, 2 * dim, "off_dk", _OFF_DK),
-        (dv, _DV, groups, kv_tok, 2 * dim, "off_dv", _OFF_DV),
+        (dk, _DK, groups, out_tok, out_hs, "off_dk", _OFF_DK),
+        (dv, _DV, groups, out_tok, out_hs, "off_dv", _OFF_DV),
     ):
         t.set_uid(uid).set_output(True).set_dim([b, h, sq if t is dq else skv, dim])
         t.set_stride([(sq if t is dq else skv) * tok, hs, tok, 1]).set_data_type(io)
         t.set_ragged_offset(_ragged(g, name, off, b))
     return _finish(g)
+
+
+def _key_total(total: int, heads: int, groups: int) -> int:
+    """The key total a backward graph is given for ``total`` gradient rows
+    (``exact_key_workspace``: halved with GQA, where it only sizes the 16-bit per-head buffers)."""
+    if exact_key_workspace and heads != groups:
+        return -(-int(total) // 2) + 1
+    return int(total)
 
 
 def _workspace(size: int, device) -> torch.Tensor:
@@ -298,16 +326,17 @@ def backward(
     scale: float,
     deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of every entry: ``dq`` ``[Tq, H, d]`` and ``dkv`` ``[M, G, 2d]``, M =
-    ``runs.mat_rows``. ``kv`` is the backward key buffer (entries do not overlap in it) or, with
-    ``shared_keys_in_backward``, the compact keys themselves. All inputs contiguous."""
+    """Gradients of every entry: ``dq`` ``[Tq, H, d]`` and ``dkv`` ``[2, M, G, d]`` (dK, dV;
+    M = ``runs.mat_rows``). ``kv`` is the backward key buffer (entries do not overlap in it)
+    or, with ``shared_keys_in_backward``, the compact keys themselves. Inputs contiguous."""
     tq, heads, dim = q.shape
     groups = kv.shape[1]
     out_shape = (runs.mat_rows, groups, 2 * dim)
     if not runs.entries:
-        return torch.zeros_like(q), kv.new_zeros(out_shape)
+        return torch.zeros_like(q), kv.new_zeros((2, runs.mat_rows, groups, dim))
+    separate = separate_key_gradients
     key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
-           deterministic, runs.causal, q.device)  # fmt: skip
+           deterministic, separate, exact_key_workspace, runs.causal, q.device)  # fmt: skip
     handle = _handle(q.device)
     # The row totals only size the backward's accumulators: a graph built for larger totals
     # serves this batch, so batches of new lengths reuse the graphs they fit.
@@ -318,7 +347,7 @@ def backward(
     g, ws = _graph(
         key + totals,
         lambda: _backward_graph(
-            handle, q.dtype, runs, totals, heads, groups, dim, scale, deterministic
+            handle, q.dtype, runs, totals, heads, groups, dim, scale, deterministic, separate
         ),
     )
     padded = _padded_stats(stats, dev, runs, heads)
@@ -326,19 +355,27 @@ def backward(
         (tq, heads, dim), dtype=q.dtype, device=q.device
     )
     covered = runs.materialize or runs.keys_covered
-    dkv = (torch.empty if covered else torch.zeros)(out_shape, dtype=kv.dtype, device=kv.device)
+    alloc = torch.empty if covered else torch.zeros
+    if separate:  # [2, M, G, d]: dK then dV, interleaved into [M, G, 2d] after the call
+        split = alloc((2, runs.mat_rows, groups, dim), dtype=kv.dtype, device=kv.device)
+        dk, dv = split[0], split[1]
+    else:
+        dkv = alloc(out_shape, dtype=kv.dtype, device=kv.device)
+        dk, dv = dkv, dkv[..., dim:]
     kv_tok = groups * 2 * dim
     q_off = dev.offsets("q_rows", heads * dim)
-    out_off = dev.offsets("mat_rows", kv_tok)
+    out_off = dev.offsets("mat_rows", groups * dim if separate else kv_tok)
     # Keys are read where the forward read them unless the caller passed per-entry copies.
     copies = runs.materialize and not shared_keys_in_backward
     in_off = dev.offsets("mat_rows" if copies else "kv_rows", kv_tok)
     uids = [_Q, _K, _V, _O, _DO, _STATS, _DQ, _DK, _DV]
     uids += [_LEN_Q, _LEN_KV, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_DQ, _OFF_DK, _OFF_DV]
     tables = [dev.seq_len_q, dev.seq_len_kv, q_off, in_off, in_off, q_off, q_off, out_off, out_off]
-    buffers = [q, kv, kv[..., dim:], o, do, padded, dq, dkv, dkv[..., dim:]]
+    buffers = [q, kv, kv[..., dim:], o, do, padded, dq, dk, dv]
     g.execute(buffers + tables, _workspace(ws, q.device), handle=handle, tensor_uids=uids)
-    return dq, dkv
+    if separate:
+        return dq, split
+    return dq, dkv.view(runs.mat_rows, groups, 2, dim).permute(2, 0, 1, 3)
 
 
 def _padded_stats(stats: torch.Tensor, dev, runs, heads: int) -> torch.Tensor:

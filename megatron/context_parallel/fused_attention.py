@@ -9,7 +9,9 @@ gradients); the kernel is pluggable:
 * ``kernel.forward(q, kv, runs, dev, scale, want_stats) -> (o, stats)``
 * ``kernel.backward(q, kv, o, do, stats, runs, dev, scale, deterministic) -> (dq, dkv)``
 
-with the shapes of ``_attention_cudnn`` (the GPU kernel, cuDNN). The tests plug a dense
+with the shapes of ``_attention_cudnn`` (the GPU kernel, cuDNN); ``dkv`` is split,
+``[2, M, G, d]`` (key gradients, then value gradients), and is read into slot rows by
+``_attention_sums``. The tests plug a dense
 per-entry kernel in on the CPU to check every table against the dense attention.
 
 ``select_backend`` is the one place that picks dense or fused attention for a call.
@@ -110,20 +112,11 @@ def _keys_for(runs: AttentionRuns, kv: torch.Tensor, kernel) -> torch.Tensor:
 
 
 def _slot_gradients(dkeys: torch.Tensor, runs: AttentionRuns, dev) -> torch.Tensor:
-    """The all-gather slots' gradient ``[slots, G, 2d]``: each slot's key copies summed."""
+    """The all-gather slots' gradient ``[slots, G, 2d]`` from the kernel's split key gradients
+    ``[2, M, G, d]``: each slot's key copies summed (in fp32, rounded once)."""
     if runs.slot_copies is None:
-        return dkeys
-    copies = dev.slot_copies
-    if copies.shape[0] == 1:
-        return ops.gather_rows(dkeys, copies[0])
-    if copies.shape[0] == 2:
-        # A sum of two terms rounds once, whether in the inputs' dtype or in fp32.
-        return ops.gather_rows(dkeys, copies[0]) + ops.gather_rows(dkeys, copies[1])
-    acc = torch.promote_types(dkeys.dtype, torch.float32)
-    total = ops.gather_rows(dkeys, copies[0]).to(acc)
-    for row in copies[1:]:
-        total += ops.gather_rows(dkeys, row).to(acc)
-    return total.to(dkeys.dtype)
+        return _attention_sums.interleave(dkeys)
+    return _attention_sums.slot_sums(dkeys, dev.slot_copies)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -216,14 +209,14 @@ class _BlockedAttention(torch.autograd.Function):
                 span[0], _keys_for(call, kv, kernel), span[1], span[2], span[3], call, cd, *args
             )
             dq[first:end] += ops.gather_rows(dq_span, cd.local_to_span)
-            _attention_sums.add_rows(dkv, cd.kv_source, dkv_call)
+            _attention_sums.add_key_rows(dkv, cd.kv_source, dkv_call)
         for call, rows in zip(blocks.levels, dev.touched):
             cd = call.on(q.device)
             dq_call, dkv_call = kernel.backward(
                 q, _keys_for(call, kv, kernel), o, do, lse, call, cd, *args
             )
             _attention_sums.add_rows(dq, rows, dq_call, rows)
-            _attention_sums.add_rows(dkv, cd.kv_source, dkv_call)
+            _attention_sums.add_key_rows(dkv, cd.kv_source, dkv_call)
         dq = dq.to(q.dtype)
         dquery = dq if dev.order is None else ops.gather_rows(dq, dev.local_to_sorted)
         dkv = dkv.to(kv.dtype)
