@@ -3,7 +3,8 @@ kernel shape (``attention_runs.SHAPE_REUSE``) than their own bucketed one (issue
 recompilation over batches of new lengths).
 
 For each tolerance: the cuDNN graph builds over 20 random uneven plans at S = 20,436 (CP 2,
-rank 0 or the other rank when rank 0 owns nothing), then over 20 more new ones; then the
+rank 0 or the other rank when rank 0 owns nothing), then over each further 20 new ones
+(``--passes`` sets of 20 in all: whether the builds stop); then the
 forward+backward of the first ``--timed`` plans with their tables (and graphs) from the first
 pass, against the same plans at tolerance 1 (own shapes), timed in turns in one run.
 
@@ -29,20 +30,22 @@ from bench_head import time_round_robin  # noqa: E402
 from megatron.context_parallel import _attention_cudnn, attention_runs  # noqa: E402
 
 
-def cases_at(tolerance, plans, device):
-    """Builds per pass of 20 plans, and the Case of each plan, built at ``tolerance`` from an
-    empty shape record and graph cache."""
+def cases_at(tolerance, plans, device, keep):
+    """Builds per set of 20 plans, and the Cases of the first ``keep`` plans (each holds ~0.5 GB
+    of inputs), built at ``tolerance`` from an empty shape record and graph cache."""
     attention_runs.SHAPE_REUSE = tolerance
     attention_runs._SHAPES.clear()
     _attention_cudnn._GRAPHS.clear()
     _attention_cudnn._TOTALS.clear()
     builds, cases = [], []
-    for half in (plans[:20], plans[20:]):
+    for first in range(0, len(plans), 20):
+        half = plans[first : first + 20]
         before = _attention_cudnn.graph_builds()
         for plan in half:
             case = Case(plan, 0 if plan.counts[0] else 1, None, device)
             case.ours(True)
-            cases.append(case)
+            if len(cases) < keep:
+                cases.append(case)
         builds.append(_attention_cudnn.graph_builds() - before)
     return builds, cases
 
@@ -53,19 +56,22 @@ def main():
     parser.add_argument("--tolerances", default="1.25,1.5")
     parser.add_argument("--timed", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--passes", type=int, default=2, help="sets of 20 new plans")
     args = parser.parse_args()
     device = torch.device("cuda")
     rng = random.Random(1)
-    plans = [_random_uneven_plan(args.seq_len, rng) for _ in range(40)]
+    plans = [_random_uneven_plan(args.seq_len, rng) for _ in range(20 * args.passes)]
     tolerances = [1.0] + [float(t) for t in args.tolerances.split(",")]
     built = {}
-    print("| tolerance | graph builds, 20 plans | next 20 plans | recorded shapes |")
-    print("|---|---|---|---|")
+    sets = " | ".join(f"plans {20 * i + 1}-{20 * i + 20}" for i in range(args.passes))
+    print(f"| tolerance | graph builds: {sets} | recorded shapes |")
+    print("|---|" + "---|" * (args.passes + 1))
     for tol in tolerances:
-        builds, cases = cases_at(tol, plans, device)
+        builds, cases = cases_at(tol, plans, device, args.timed)
         built[tol] = cases
         print(
-            f"| {tol} | {builds[0]} | {builds[1]} | {len(attention_runs.recorded_shapes())} |",
+            f"| {tol} | {' | '.join(map(str, builds))} | "
+            f"{len(attention_runs.recorded_shapes())} |",
             flush=True,
         )
     # Every graph any tolerance used is still cached (keyed by shape), so the timing builds none.
