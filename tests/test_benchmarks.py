@@ -78,3 +78,15 @@ def test_bench_head_cpu_smoke(tmp_path):
     assert ours["lp_err64"] < 5e-6 and top["top_ids_exact"]
     assert naive["lp_err64"] > 100 * ours["lp_err64"]
     assert "| ours |" in (tmp_path / "bench_head.md").read_text()
+
+
+def test_probe_build_policy_replays_graph_builds_on_the_cpu():
+    # The replay counts the cuDNN graphs random plans' tables would build: shape reuse must
+    # build fewer than one graph set per own shape, and every count is a whole number of builds.
+    out = _run(["benchmarks/probes/probe_build_policy.py", "--sets", "1", "--tolerances", "1,1.5"])
+    rows = {
+        float(line.split("|")[1]): int(line.split("|")[2])
+        for line in out.splitlines()
+        if line.startswith("| 1")
+    }
+    assert set(rows) == {1.0, 1.5} and 0 < rows[1.5] < rows[1.0], out
