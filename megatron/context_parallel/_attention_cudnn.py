@@ -47,16 +47,15 @@ shared_keys_in_backward = True
 # The backward writes dK and dV to two dense ``[M, G, d]`` buffers (returned as one
 # ``[2, M, G, d]``), not into the interleaved ``[M, G, 2d]`` layout of the keys. With GQA cuDNN's
 # backward workspace holds per-query-head fp32 dK and dV laid out with the outputs' token stride
-# times ``H / G``, so the interleaved layout (False) doubles them: measured on an H100 at
-# S = 20,436, 40 / 8 heads, d = 128, one call's workspace 2.23 GiB against 1.21
-# (benchmarks/probes/probe_key_gradient_layout.py).
+# times ``H / G``, so the interleaved layout (False) doubles them: on an H100 at S = 20,436,
+# 40 / 8 heads, d = 128, one call's workspace was 2.23 GiB against 1.21, at the same time.
 separate_key_gradients = True
 
 # cuDNN's frontend (1.32) sizes a ragged GQA backward's per-query-head dK / dV workspace at four
 # bytes an element while the backend writes them in the inputs' 16-bit type, so the second half
 # of each is never touched. With this set, the key total the graph is given (it sizes nothing
-# else) is halved, plus one row, so that those two buffers are the size they are used at. Checked
-# on an H100 by a guard region after the workspace (tests/test_attention_cuda.py).
+# else) is halved, plus one row, so that those two buffers are the size they are used at. A GPU
+# test puts a guard region after every workspace to hold the backend to that.
 exact_key_workspace = True
 
 # Extra ``cudnn.pygraph`` arguments for every graph built (probes try cuDNN's dynamic shapes and
@@ -356,7 +355,7 @@ def backward(
     )
     covered = runs.materialize or runs.keys_covered
     alloc = torch.empty if covered else torch.zeros
-    if separate:  # [2, M, G, d]: dK then dV, interleaved into [M, G, 2d] after the call
+    if separate:  # [2, M, G, d]: dK then dV, read in place by _attention_sums
         split = alloc((2, runs.mat_rows, groups, dim), dtype=kv.dtype, device=kv.device)
         dk, dv = split[0], split[1]
     else:

@@ -162,11 +162,11 @@ def to_device(tables, device: torch.device, int32=()) -> list:
 # batch's own bucketed shape one of them may be to serve it (1: off). Every kernel plan (a cuDNN
 # graph, ~0.1-0.2 s to build) is keyed by these sizes; a larger shape is exact for a smaller
 # batch (padding entries have no rows, cuDNN reads each entry's own lengths) and costs only the
-# padded tiles it walks. With reuse the set of shapes, and so of graph builds, stops growing
-# over random plans instead of adding one per new bucketed size. Measured on an H100 at
-# S = 20,436 over random uneven plans (benchmarks/probes/probe_shape_reuse.py): graph builds
-# 37 then 35 over two sets of 20 plans at 1 (off), 27 then 9 at 1.5; forward+backward on the
-# larger shapes 0.999x the own shapes' (median of 8 plans, worst 1.04x, within the noise).
+# padded tiles it walks. With reuse the set of shapes, and so of graph builds, grows far more
+# slowly over random plans than one per new bucketed size, though it does not stop. Measured on
+# an H100 at S = 20,436 over five sets of 20 random uneven plans: graph builds 37, 35, 30, 27, 29
+# at 1 (off), 27, 9, 8, 10, 11 at 1.5; forward+backward on the larger shapes 0.999x the own
+# shapes' (median of 8 plans, worst 1.04x, within the noise).
 SHAPE_REUSE = 1.5
 # Each batch's own bucketed shape -> the shape it runs on. A shape, once chosen, stays chosen
 # for that own shape: a batch that comes again runs on the graphs it ran on before (a later

@@ -11,8 +11,8 @@ gradients); the kernel is pluggable:
 
 with the shapes of ``_attention_cudnn`` (the GPU kernel, cuDNN); ``dkv`` is split,
 ``[2, M, G, d]`` (key gradients, then value gradients), and is read into slot rows by
-``_attention_sums``. The tests plug a dense
-per-entry kernel in on the CPU to check every table against the dense attention.
+``_attention_sums``. The tests plug a dense per-entry kernel in on the CPU to check every table
+against the dense attention.
 
 ``select_backend`` is the one place that picks dense or fused attention for a call.
 """
