@@ -273,12 +273,13 @@ def test_shape_reuse_takes_the_least_larger_recorded_shape(monkeypatch):
     assert shared(4, 900, 2900) == (4, 900, 2900)  # off: every shape its own
     monkeypatch.setattr(attention_runs, "SHAPE_REUSE", 1.25)
     assert shared(4, 850, 2600) == (4, 900, 2900)  # the smaller of the two that cover it
-    assert shared(2, 850, 2600) == (4, 900, 2900)  # batch within 2x
-    assert shared(1, 850, 2600) == (1, 850, 2600)  # not within 2x: recorded
+    assert shared(2, 850, 2600) == (2, 850, 2600)  # entries beyond 1.25x: recorded
+    assert shared(1, 850, 2600) == (1, 850, 2600)
     assert shared(4, 700, 2600) == (4, 700, 2600)  # rows beyond 1.25x: recorded
     assert shared(8, 900, 2900) == (8, 900, 2900)  # a larger batch is never cut
     assert attention_runs.recorded_shapes() == {
-        (4, 1000, 3000), (4, 900, 2900), (1, 850, 2600), (4, 700, 2600), (8, 900, 2900)
+        (4, 1000, 3000), (4, 900, 2900), (2, 850, 2600), (1, 850, 2600), (4, 700, 2600),
+        (8, 900, 2900),
     }  # fmt: skip
     # A shape once chosen stays: with (4, 860, 2610) recorded since, which would cover
     # (4, 850, 2600) with less padding, that shape keeps (4, 900, 2900), whose graphs it ran on.
@@ -291,10 +292,12 @@ def test_shape_reuse_takes_the_least_larger_recorded_shape(monkeypatch):
 
 def test_shape_reuse_bounds_the_shapes_of_random_plans(monkeypatch):
     """Over random uneven plans the recorded shapes (one set of kernel graphs each) stop growing
-    with reuse, and every batch's tables cover its entries."""
+    under the default policy (powers of two, reuse within 2x), unlike fine sizes without reuse,
+    and every batch's tables cover its entries."""
     counts = {}
-    for tolerance in (1.0, 1.25):
-        monkeypatch.setattr(attention_runs, "SHAPE_REUSE", tolerance)
+    for buckets, reuse in ((16, 1.0), (attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE)):
+        monkeypatch.setattr(attention_runs, "SHAPE_BUCKETS", buckets)
+        monkeypatch.setattr(attention_runs, "SHAPE_REUSE", reuse)
         monkeypatch.setattr(attention_runs, "_SHAPES", {})
         g = torch.Generator().manual_seed(0)
         growth = []
@@ -307,12 +310,13 @@ def test_shape_reuse_bounds_the_shapes_of_random_plans(monkeypatch):
             if rows.numel() == 0:
                 continue
             runs = _runs(plan, 0, merge_gap=1)
-            assert runs.entries <= runs.batch <= 2 * _bucket(runs.entries)
+            assert runs.entries <= runs.batch <= reuse * _bucket(runs.entries)
             assert int(runs.q_len.max()) <= runs.max_q and int(runs.kv_len.max()) <= runs.max_kv
             growth.append(len(attention_runs.recorded_shapes()))
-        counts[tolerance] = growth
-    assert counts[1.25][-1] < counts[1.0][-1]
-    assert counts[1.25][-1] == counts[1.25][len(counts[1.25]) // 2]  # none in the second half
+        counts[buckets] = growth
+    fine, default = counts[16], counts[attention_runs.SHAPE_BUCKETS]
+    assert default[-1] < fine[-1] / 2
+    assert default[-1] == default[len(default) // 2]  # none in the second half
 
 
 def _w_gathered(rank, world, seed):
@@ -354,3 +358,20 @@ def _w_gathered(rank, world, seed):
 @pytest.mark.parametrize("world", [2, 3])
 def test_over_a_cp_group_matches_the_oracle(world):
     run_distributed(_w_gathered, world, 5)
+
+
+def test_backward_graphs_are_sized_for_the_largest_totals_so_far(monkeypatch):
+    """A new backward graph is built for the process's largest row totals so far (raised to the
+    call's), so later batches of larger totals fit it; a recorded graph that holds a call serves
+    it."""
+    from megatron.context_parallel import _attention_cudnn as kernel
+
+    monkeypatch.setattr(kernel, "_TOTALS", {})
+    monkeypatch.setattr(kernel, "_LARGEST_TOTALS", [0, 0])
+    assert kernel.backward_totals("a", 100, 200) == ((100, 200), True)
+    assert kernel.backward_totals("a", 90, 150) == ((100, 200), False)
+    assert kernel.backward_totals("b", 50, 300) == ((100, 300), True)
+    assert kernel.backward_totals("b", 100, 10) == ((100, 300), False)
+    assert kernel.backward_totals("a", 100, 250) == ((100, 300), True)  # a's first is too small
+    assert kernel.backward_totals("a", 60, 220) == ((100, 300), False)
+    assert kernel.backward_totals("a", 60, 180) == ((100, 200), False)  # the smallest that holds

@@ -81,12 +81,12 @@ def test_bench_head_cpu_smoke(tmp_path):
 
 
 def test_probe_build_policy_replays_graph_builds_on_the_cpu():
-    # The replay counts the cuDNN graphs random plans' tables would build: shape reuse must
-    # build fewer than one graph set per own shape, and every count is a whole number of builds.
-    out = _run(["benchmarks/probes/probe_build_policy.py", "--sets", "1", "--tolerances", "1,1.5"])
+    # The replay counts the cuDNN graphs random plans' tables would build: the default policy
+    # (powers of two, reuse within 2x) must build fewer than fine sizes without reuse.
+    out = _run(["benchmarks/probes/probe_build_policy.py", "--sets", "1", "--policies", "16:1,1:2"])
     rows = {
-        float(line.split("|")[1]): int(line.split("|")[2])
+        line.split("|")[1].strip(): int(line.split("|")[2])
         for line in out.splitlines()
         if line.startswith("| 1")
     }
-    assert set(rows) == {1.0, 1.5} and 0 < rows[1.5] < rows[1.0], out
+    assert set(rows) == {"16:1", "1:2"} and 0 < rows["1:2"] < rows["16:1"], out

@@ -1,19 +1,18 @@
 """How many cuDNN graphs would random plans build under a shape policy? Answered on the CPU.
 
 A batch's graphs are keyed by the kernel shape its tables ask for (``AttentionRuns.batch /
-max_q / max_kv``, after ``attention_runs.SHAPE_REUSE``) and, for the backward, by the row
-totals a built graph can hold (``_attention_cudnn.backward`` reuses one built for larger
-totals). Both are host quantities, so replaying the tables of the plans
-``probe_shape_reuse.py`` draws gives its build counts without a GPU (session 22: the same
-37, 35, 30, 27, 29 and 27, 9, 8, 10, 11 as the H100). Policies are tried here before a device
-call times them.
+max_q / max_kv``: sizes rounded to ``attention_runs.SHAPE_BUCKETS`` per octave, then maybe a
+recorded shape up to ``SHAPE_REUSE`` times larger) and, for the backward, by the row totals a
+built graph can hold (``_attention_cudnn.backward_totals``, called here as the kernel calls
+it). Both are host quantities, so replaying the tables of the plans ``probe_shape_reuse.py``
+draws gives its build counts without a GPU (session 22: the same 37, 35, 30, 27, 29 and 27,
+9, 8, 10, 11 as the H100). Policies are tried here before a device call times them.
 
-Per tolerance: builds per set of 20 random uneven plans at S = 20,436, split into new forward
-shapes, new backward shapes and larger totals of a known backward shape. ``--any-key-length``
-also lets a batch run on a recorded shape with any larger key length (cuDNN's padded key tiles
-end early), an untimed alternative.
+Per policy ``buckets:reuse``: builds per set of 20 random uneven plans, split into new
+forward shapes, new backward shapes and larger totals of a known backward shape.
 
-``python benchmarks/probes/probe_build_policy.py [--sets 5] [--tolerances 1,1.5]``
+``python benchmarks/probes/probe_build_policy.py [--sets 5] [--policies 16:1,16:1.5,1:2]
+[--seq-len 20436]``
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_attention import _random_uneven_plan, _sequence  # noqa: E402
 
-from megatron.context_parallel import attention_runs  # noqa: E402
+from megatron.context_parallel import _attention_cudnn, attention_runs  # noqa: E402
 from megatron.context_parallel.attention_blocks import (  # noqa: E402
     AttentionBlocks,
     build_attention_tables,
@@ -43,29 +42,14 @@ def _calls(tables):
     return [tables]
 
 
-def _any_key_length(batch, max_q, max_kv):
-    """``attention_runs._shared_shape`` with no bound on the recorded key length."""
-    own = (batch, max_q, max_kv)
-    chosen = attention_runs._SHAPES.get(own)
-    if chosen is None:
-        fits = [
-            s
-            for s in attention_runs.recorded_shapes()
-            if batch <= s[0] <= 2 * batch
-            and max_q <= s[1] <= max_q * attention_runs.SHAPE_REUSE
-            and max_kv <= s[2]
-        ]
-        chosen = min(fits, key=lambda s: (s[0] * s[1] * s[2], s)) if fits else own
-        attention_runs._SHAPES[own] = chosen
-    return chosen
-
-
-def replay(tolerance, sets, seq_len=20436, seed=1):
-    """(builds per set of 20 plans, {kind: builds}) from an empty shape record."""
-    attention_runs.SHAPE_REUSE = tolerance
+def replay(buckets, reuse, sets, seq_len=20436, seed=1):
+    """(builds per set of 20 plans, {kind: builds}) from an empty shape record, with
+    ``SHAPE_BUCKETS = buckets`` and ``SHAPE_REUSE = reuse``."""
+    attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE = buckets, reuse
     attention_runs._SHAPES.clear()
     rng = random.Random(seed)
-    forward, backward = set(), {}
+    _attention_cudnn.reset_graphs()
+    forward, backward = set(), set()
     kinds = {"forward shapes": 0, "backward shapes": 0, "larger totals": 0}
     per_set = []
     for _ in range(sets):
@@ -79,10 +63,11 @@ def replay(tolerance, sets, seq_len=20436, seed=1):
                     forward.add(key)
                     kinds["forward shapes"] += 1
                     builds += 1
-                totals = backward.setdefault(key, [])
-                if not any(q >= call.total_q and m >= call.total_mat for q, m in totals):
-                    kinds["larger totals" if totals else "backward shapes"] += 1
-                    totals.append((call.total_q, call.total_mat))
+                # The library's own choice of backward graph totals, on the kernel's records.
+                _, built = _attention_cudnn.backward_totals(key, call.total_q, call.total_mat)
+                if built:
+                    kinds["larger totals" if key in backward else "backward shapes"] += 1
+                    backward.add(key)
                     builds += 1
         per_set.append(builds)
     return per_set, kinds
@@ -91,23 +76,24 @@ def replay(tolerance, sets, seq_len=20436, seed=1):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sets", type=int, default=5, help="sets of 20 random plans")
-    parser.add_argument("--tolerances", default="1,1.5")
-    parser.add_argument("--any-key-length", action="store_true")
+    parser.add_argument("--policies", default="16:1,16:1.5,1:2", help="buckets:reuse, ...")
+    parser.add_argument("--seq-len", type=int, default=20436)
     args = parser.parse_args()
-    default_tolerance, default_shared = attention_runs.SHAPE_REUSE, attention_runs._shared_shape
-    if args.any_key_length:
-        attention_runs._shared_shape = _any_key_length
+    default = attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE
     try:
         header = "builds per set of 20 plans | forward / backward shapes, larger totals"
-        print(f"| tolerance | {header} |")
+        print(f"S = {args.seq_len}; default policy {default[0]}:{default[1]}")
+        print(f"| policy | {header} |")
         print("|---|---|---|")
-        for tolerance in (float(t) for t in args.tolerances.split(",")):
-            per_set, kinds = replay(tolerance, args.sets)
-            print(f"| {tolerance} | {', '.join(map(str, per_set))} | "
+        for policy in args.policies.split(","):
+            buckets, reuse = policy.split(":")
+            per_set, kinds = replay(int(buckets), float(reuse), args.sets, args.seq_len)
+            print(f"| {policy} | {', '.join(map(str, per_set))} | "
                   f"{' / '.join(str(v) for v in kinds.values())} |", flush=True)  # fmt: skip
     finally:
-        attention_runs.SHAPE_REUSE, attention_runs._shared_shape = default_tolerance, default_shared
+        attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE = default
         attention_runs._SHAPES.clear()
+        _attention_cudnn.reset_graphs()
 
 
 if __name__ == "__main__":

@@ -27,8 +27,7 @@ H, G, D, S = 40, 8, 128, 20436
 
 
 def run(plans, options):
-    kernel._GRAPHS.clear()
-    kernel._TOTALS.clear()
+    kernel.reset_graphs()
     kernel.graph_options.clear()
     kernel.graph_options.update(options)
     outs, builds, seconds = [], [], []

@@ -109,7 +109,7 @@ class AttentionBlocks(ReadOnlyTables):
         *,
         group_rows: int = DEFAULT_GROUP_ROWS,
         span_budget: int = DEFAULT_SPAN_BUDGET,
-        shape_buckets: int = 16,
+        shape_buckets: Optional[int] = None,
         keys: Optional[CompactKeys] = None,
     ) -> "AttentionBlocks":
         """The blocked tables of rank ``rank``'s rows of ``plan`` (host only).

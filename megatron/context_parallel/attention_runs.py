@@ -158,16 +158,18 @@ def to_device(tables, device: torch.device, int32=()) -> list:
     return out
 
 
-# Kernel shapes (batch, max_q, max_kv) handed out in this process, and how much larger than a
-# batch's own bucketed shape one of them may be to serve it (1: off). Every kernel plan (a cuDNN
-# graph, ~0.1-0.2 s to build) is keyed by these sizes; a larger shape is exact for a smaller
-# batch (padding entries have no rows, cuDNN reads each entry's own lengths) and costs only the
-# padded tiles it walks. With reuse the set of shapes, and so of graph builds, grows far more
-# slowly over random plans than one per new bucketed size, though it does not stop. Measured on
-# an H100 at S = 20,436 over five sets of 20 random uneven plans: graph builds 37, 35, 30, 27, 29
-# at 1 (off), 27, 9, 8, 10, 11 at 1.5; forward+backward on the larger shapes 0.999x the own
-# shapes' (median of 8 plans, worst 1.04x, within the noise).
-SHAPE_REUSE = 1.5
+# Kernel shapes. Every kernel plan (a cuDNN graph, ~0.1-0.2 s to build) is keyed by its shape
+# (batch, max_q, max_kv): the entries, and the longest entry's rows and keys, rounded up to one
+# of SHAPE_BUCKETS sizes per power of two. A larger shape is exact for a smaller batch (padding
+# entries have no rows, cuDNN reads each entry's own lengths) and cost nothing measurable: on an
+# H100 at S = 20,436, forward+backward of the five benchmark cases on shapes padded by 2x in
+# query rows, 4x in keys, 4x in entries or 2x in all three ran at 0.97-1.04x their own (within
+# the noise). So the shapes are powers of two, and a batch may also run on a recorded shape up
+# to SHAPE_REUSE times its own in every size, which bounds the shapes a process ever builds to
+# a few per octave of the sequence length. Replayed over 200 random uneven plans at S = 20,436
+# (probe_build_policy), 42 graph builds against 107 with 16 sizes per octave and reuse 1.5.
+SHAPE_BUCKETS = 1
+SHAPE_REUSE = 2.0
 # Each batch's own bucketed shape -> the shape it runs on. A shape, once chosen, stays chosen
 # for that own shape: a batch that comes again runs on the graphs it ran on before (a later
 # record must not move it to a shape whose backward graph was built for smaller totals).
@@ -182,8 +184,7 @@ def recorded_shapes() -> set:
 def _shared_shape(batch: int, max_q: int, max_kv: int) -> tuple:
     """The shape a batch whose own bucketed shape is ``(batch, max_q, max_kv)`` runs on: the one
     chosen before for that shape; else the recorded shape of least padded work covering it
-    within ``SHAPE_REUSE`` (the batch within 2x, as it is bucketed to powers of two); else its
-    own, recorded."""
+    within ``SHAPE_REUSE`` in every size; else its own, recorded."""
     own = (batch, max_q, max_kv)
     chosen = _SHAPES.get(own)
     if chosen is not None:
@@ -193,7 +194,7 @@ def _shared_shape(batch: int, max_q: int, max_kv: int) -> tuple:
         fits = [
             s
             for s in recorded_shapes()
-            if batch <= s[0] <= 2 * batch
+            if batch <= s[0] <= batch * SHAPE_REUSE
             and max_q <= s[1] <= max_q * SHAPE_REUSE
             and max_kv <= s[2] <= max_kv * SHAPE_REUSE
         ]
@@ -203,9 +204,12 @@ def _shared_shape(batch: int, max_q: int, max_kv: int) -> tuple:
     return chosen
 
 
-def _kernel_sizes(q_len, kv_len, query_rows: int, mat_rows: int, shape_buckets: int) -> dict:
-    """The bucketed sizes a kernel plan is keyed by (see ``AttentionRuns``)."""
+def _kernel_sizes(q_len, kv_len, query_rows: int, mat_rows: int, shape_buckets) -> dict:
+    """The bucketed sizes a kernel plan is keyed by (see ``AttentionRuns``); ``shape_buckets``
+    None: ``SHAPE_BUCKETS``."""
     entries = int(q_len.numel())
+    if shape_buckets is None:
+        shape_buckets = SHAPE_BUCKETS
     batch, max_q, max_kv = _shared_shape(
         _bucket(entries),
         _bucket(int(q_len.max()) if entries else 1, shape_buckets),
@@ -323,7 +327,7 @@ class AttentionRuns(ReadOnlyTables):
         *,
         padding_rows: int = 0,
         merge_gap: int = DEFAULT_MERGE_GAP,
-        shape_buckets: int = 16,
+        shape_buckets: Optional[int] = None,
         longest_first: bool = True,
         keys: Optional["CompactKeys"] = None,
     ) -> "AttentionRuns":
@@ -339,9 +343,10 @@ class AttentionRuns(ReadOnlyTables):
             merge_gap: runs of one sequence with fewer than this many rows between them merge
                 into one entry (``1`` never merges).
             shape_buckets: sizes per power of two that the longest entry's rows and keys are
-                rounded up to (kernel plans are built per size; 1: powers of two). cuDNN's
-                backward walks the padded rows, so close sizes pay (H200: THD 1.19x the floor
-                with 16 sizes per octave, 1.29x with powers of two).
+                rounded up to (kernel plans are built per size; None: ``SHAPE_BUCKETS``,
+                powers of two). Padded sizes cost nothing measurable (see ``SHAPE_BUCKETS``;
+                on the H200 too, once entries ran longest first: THD 1.18x the floor with
+                powers of two, 1.19x with 16 sizes per octave).
             longest_first: order the entries by key count, longest first (the kernel then
                 starts its longest tiles first, and the short ones fill the tail).
             keys: ``CompactKeys(plan, sequence)`` when the caller has it already.
@@ -522,7 +527,7 @@ class AttentionRuns(ReadOnlyTables):
         local_to_span: Optional[torch.Tensor] = None,
         rows_covered: bool = True,
         backward: bool = True,
-        shape_buckets: int = 16,
+        shape_buckets: Optional[int] = None,
     ) -> "AttentionRuns":
         """One kernel call of entries given directly (the blocked layout's calls).
 
