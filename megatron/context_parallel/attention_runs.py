@@ -167,7 +167,9 @@ def to_device(tables, device: torch.device, int32=()) -> list:
 # the noise). So the shapes are powers of two, and a batch may also run on a recorded shape up
 # to SHAPE_REUSE times its own in every size, which bounds the shapes a process ever builds to
 # a few per octave of the sequence length. Replayed over 200 random uneven plans at S = 20,436
-# (probe_build_policy), 42 graph builds against 107 with 16 sizes per octave and reuse 1.5.
+# (probe_build_policy): 31 graph builds, 17 of them in the first 20 plans (the backward's are
+# sized for the largest totals so far: _attention_cudnn.backward_totals), against 273 with 16
+# sizes per octave and no reuse, and 107 with reuse 1.5 and backward graphs per row total.
 SHAPE_BUCKETS = 1
 SHAPE_REUSE = 2.0
 # Each batch's own bucketed shape -> the shape it runs on. A shape, once chosen, stays chosen
