@@ -213,6 +213,52 @@ def test_blocked_tables_and_the_layout_choice():
     assert choose_layout(_runs(zig, 0), AttentionBlocks.build(zig, 0, seq)) == "runs"
 
 
+@pytest.mark.parametrize("plan_kind", ["zigzag", "random half"])
+def test_tables_are_built_on_one_intra_op_thread(monkeypatch, plan_kind):
+    """Every host op of a batch's tables (the C++ builders' fills, the packing and the copy) runs
+    on the calling thread alone, and the thread count comes back, also when a build raises."""
+    from megatron.context_parallel import _extension
+    from megatron.context_parallel.attention_blocks import build_attention_tables
+
+    seq_len = 4096
+    if plan_kind == "zigzag":
+        plan = ContextParallelPlan.zigzag(seq_len, 2)
+    else:
+        perm = torch.randperm(seq_len, generator=torch.Generator().manual_seed(0))
+        plan = ContextParallelPlan.from_rank_positions(
+            [perm[: seq_len // 2], perm[seq_len // 2 :]], seq_len
+        )
+    seq = torch.zeros(seq_len, dtype=torch.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        real = _extension.host_tables
+
+        def spy():
+            seen.append(torch.get_num_threads())
+            return real()
+
+        monkeypatch.setattr(_extension, "host_tables", spy)
+        tables = build_attention_tables(plan, 0, seq)
+        assert type(tables).__name__ == (
+            "AttentionRuns" if plan_kind == "zigzag" else "AttentionBlocks"
+        )
+        tables.on("cpu")
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+
+        def broken():
+            raise RuntimeError("builder failed")
+
+        monkeypatch.setattr(_extension, "host_tables", broken)
+        with pytest.raises(RuntimeError, match="builder failed"):
+            build_attention_tables(plan, 0, seq)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_tables_of_the_report_layouts():
     zig = _runs(ContextParallelPlan.zigzag(512, 2), 0)
     assert zig.identity and zig.entries == 2 and zig.materialize

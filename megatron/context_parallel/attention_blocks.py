@@ -45,6 +45,7 @@ from megatron.context_parallel.attention_runs import (
     ReadOnlyTables,
     _ascending_order,
     _host_ops,
+    serial_host_ops,
     to_device,
 )
 from megatron.context_parallel.plan import ContextParallelPlan
@@ -101,6 +102,7 @@ class AttentionBlocks(ReadOnlyTables):
     """
 
     @classmethod
+    @serial_host_ops()
     def build(
         cls,
         plan: ContextParallelPlan,
@@ -290,24 +292,27 @@ class AttentionBlocks(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
-        host = {
-            "order": self.order,
-            "local_to_sorted": self.local_to_sorted,
-            "has_bulk": None if self.has_bulk is None else self.has_bulk.to(torch.int64),
-            "slot_rows": self.slot_rows,
-            "compact_slots": self.compact_slots,
-        }
-        touched = {str(i): t for i, t in enumerate(self.touched)}
-        calls = self.calls()
-        # One host-to-device copy for the blocks' tables and every call's.
-        moved, moved_touched, *per_call = to_device(
-            [host, touched] + [c._host_tables() for c in calls], device, INT32_TABLES
-        )
-        for call, parts in zip(calls, per_call):
-            call._adopt(device, parts)
-        if moved["has_bulk"] is not None:
-            moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
-        out = DeviceBlocks(touched=[moved_touched[str(i)] for i in range(len(touched))], **moved)
+        with serial_host_ops():
+            host = {
+                "order": self.order,
+                "local_to_sorted": self.local_to_sorted,
+                "has_bulk": None if self.has_bulk is None else self.has_bulk.to(torch.int64),
+                "slot_rows": self.slot_rows,
+                "compact_slots": self.compact_slots,
+            }
+            touched = {str(i): t for i, t in enumerate(self.touched)}
+            calls = self.calls()
+            # One host-to-device copy for the blocks' tables and every call's.
+            moved, moved_touched, *per_call = to_device(
+                [host, touched] + [c._host_tables() for c in calls], device, INT32_TABLES
+            )
+            for call, parts in zip(calls, per_call):
+                call._adopt(device, parts)
+            if moved["has_bulk"] is not None:
+                moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
+            out = DeviceBlocks(
+                touched=[moved_touched[str(i)] for i in range(len(touched))], **moved
+            )
         self._device[device] = out
         return out
 
@@ -373,6 +378,7 @@ def choose_layout(runs: AttentionRuns, blocks: AttentionBlocks, margin: float = 
     return "blocks" if runs_cost > margin * block_cost else "runs"
 
 
+@serial_host_ops()
 def build_attention_tables(
     plan: ContextParallelPlan, rank: int, sequence: torch.Tensor, *, padding_rows: int = 0
 ):

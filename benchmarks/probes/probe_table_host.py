@@ -1,0 +1,104 @@
+"""Where the fused attention's per-batch table time goes on a GPU machine's host (diagnostic).
+
+``bench_attention.py`` reports one number per case: build the tables and copy them to the GPU,
+synchronised both sides. Per case at S = 20,436 this splits it, median of ``--reps`` after two
+warm-ups, in milliseconds:
+
+* ``build``: ``build_attention_tables`` (compact keys and the rank's run or blocked tables, C++);
+* ``host``: the per-call device layout on the host (``_host_tables``; runs only);
+* ``pack``: ``to_device``'s ``torch.cat`` of every table into one int64 tensor;
+* ``pin``: ``pin_memory()`` of that tensor (the caching host allocator);
+* ``copy``: the non-blocking host-to-device copy and a synchronisation;
+* ``on``: the whole ``tables.on(cuda)`` (pack, pin, copy, int32 region, views) and a
+  synchronisation;
+* ``busy``: host ms of ``build`` + ``on`` without a synchronisation while the GPU runs ~20 ms of
+  queued matmuls (as at a model's first attention layer): whether any step waits for the GPU.
+
+Each case runs twice: on one intra-op thread (``serial``, the library's default,
+``attention_runs.serial_tables``) and on torch's intra-op threads (``threads``).
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_table_host.py [--reps 20]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+from bench_attention import _sequence, cases  # noqa: E402
+
+from megatron.context_parallel import attention_runs  # noqa: E402
+from megatron.context_parallel.attention_blocks import build_attention_tables  # noqa: E402
+from megatron.context_parallel.attention_runs import INT32_TABLES, AttentionRuns  # noqa: E402
+
+dev = torch.device("cuda")
+
+
+def median_ms(fn, reps):
+    times = []
+    for i in range(reps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def probe(plan, rank, seq, reps, busy_work):
+    """One case's row: ms per step (see the module docstring)."""
+    tables = build_attention_tables(plan, rank, seq)
+    row = {"build": median_ms(lambda: build_attention_tables(plan, rank, seq), reps)}
+    if isinstance(tables, AttentionRuns):
+        row["host"] = median_ms(tables._host_tables, reps)
+        flat = [v.reshape(-1) for v in tables._host_tables().values() if v is not None]
+        row["pack"] = median_ms(lambda: torch.cat(flat), reps)
+        packed = torch.cat(flat)
+        row["pin"] = median_ms(packed.pin_memory, reps)
+        pinned = packed.pin_memory()
+        row["copy"] = median_ms(lambda: pinned.to(dev, non_blocking=True), reps)
+    row["build + on"] = median_ms(lambda: build_attention_tables(plan, rank, seq).on(dev), reps)
+    row["on"] = row["build + on"] - row["build"]
+    busy = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        busy_work()
+        t0 = time.perf_counter()
+        build_attention_tables(plan, rank, seq).on(dev)
+        busy.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    row["busy"] = statistics.median(busy)
+    row["layout"] = "runs" if isinstance(tables, AttentionRuns) else "blocks"
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--seq-len", type=int, default=20436)
+    args = parser.parse_args()
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def busy_work():
+        for _ in range(20):  # ~1 ms each on an H100
+            a @ a
+
+    keys = ("build", "host", "pack", "pin", "copy", "on", "build + on", "busy")
+    print("| case | layout | host ops | " + " | ".join(keys) + " |")
+    print("|---|---|---|" + "---:|" * len(keys))
+    for name, plan, rank, cu in cases(args.seq_len):
+        for serial in (False, True):
+            attention_runs.serial_tables = serial
+            row = probe(plan, rank, _sequence(plan.seq_len, cu), args.reps, busy_work)
+            cells = [f"{row[k]:.3f}" if k in row else "-" for k in keys]
+            mode = "serial" if serial else "threads"
+            print(f"| {name} | {row['layout']} | {mode} | " + " | ".join(cells) + " |", flush=True)
+    print(f"(int32 tables: {', '.join(INT32_TABLES)}; host: {torch.get_num_threads()} threads)")
+
+
+if __name__ == "__main__":
+    main()
