@@ -17,8 +17,12 @@ from _dist import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.context_parallel import ContextParallelPlan, attention_runs
-from megatron.context_parallel.attention_blocks import AttentionBlocks, choose_layout
+from megatron.context_parallel import ContextParallelPlan, _extension, attention_runs
+from megatron.context_parallel.attention_blocks import (
+    AttentionBlocks,
+    build_attention_tables,
+    choose_layout,
+)
 from megatron.context_parallel.attention_runs import AttentionRuns, _bucket
 from megatron.context_parallel.fused_attention import fused_attention
 from megatron.context_parallel.mappings import gather_padded_from_context_parallel_region
@@ -217,9 +221,6 @@ def test_blocked_tables_and_the_layout_choice():
 def test_tables_are_built_on_one_intra_op_thread(monkeypatch, plan_kind):
     """Every host op of a batch's tables (the C++ builders' fills, the packing and the copy) runs
     on the calling thread alone, and the thread count comes back, also when a build raises."""
-    from megatron.context_parallel import _extension
-    from megatron.context_parallel.attention_blocks import build_attention_tables
-
     seq_len = 4096
     if plan_kind == "zigzag":
         plan = ContextParallelPlan.zigzag(seq_len, 2)

@@ -71,7 +71,7 @@ def _bucket(n: int, per_octave: int = 1) -> int:
     return -(-int(n) // step) * step
 
 
-# False: the tables' host ops use torch's intra-op threads (probe_table_host compares).
+# False: the tables' host ops use torch's intra-op threads (kept so the two can be timed).
 serial_tables = True
 
 
