@@ -26,7 +26,7 @@ constexpr int kBlockThreads = 256;
 
 // Default cap on the threads that share one row (the launcher's `max_threads_per_row`).
 // Measured on an H200 (2026-12-02, a sweep of 32/64/128/256, benchmarks/RESULTS.md): 64 moved
-// the seed's 10 KB hidden rows at 98% of device-copy bandwidth against 90% with a whole
+// the bug report's 10 KB hidden rows at 98% of device-copy bandwidth against 90% with a whole
 // 256-thread block per row (more rows in flight per block hide the index load), and left the
 // 300 KB logits rows unchanged.
 constexpr int kDefaultMaxThreadsPerRow = 64;

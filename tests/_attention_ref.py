@@ -1,13 +1,13 @@
 """A dense stand-in for the fused attention kernel, and an oracle written from positions alone.
 
-``ReferenceKernel`` has the interface of ``megatron.context_parallel._attention_cudnn`` (the
-cuDNN kernel) and the same contract: each entry is a bottom-right causal (or, for a call with
-``causal`` False, unmasked) block of its ``q_len`` query rows over its ``kv_len`` keys; the
-backward differentiates against the output and log-sum-exp it is given and writes each entry's
-key gradients whole (no accumulation across entries). Plugged into the fused path on the CPU, it
-checks every table (spans, dummies, key copies, compact keys) against ``oracle_attention``,
-which knows nothing of runs: each local row attends the owned positions of its sequence up to
-its own.
+``ReferenceKernel`` meets ``megatron.context_parallel.attention.kernel.AttentionKernel``, as the
+cuDNN kernel (``cudnn.CudnnKernel``) does, with the same contract: each entry is a bottom-right
+causal (or, for a call with ``causal`` False, unmasked) block of its ``q_len`` query rows over its
+``kv_len`` keys; the backward differentiates against the output and log-sum-exp it is given and
+writes each entry's key gradients whole (no accumulation across entries). Plugged into the fused
+path on the CPU, it checks every table (spans, dummies, key copies, compact keys) against
+``oracle_attention``, which knows nothing of runs: each local row attends the owned positions of its
+sequence up to its own.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A shim: Triton's CUDA driver loads libcuda when built and asks it for the current device's
 architecture. ``hopper_target()`` swaps in a driver that skips that and answers sm_90, so
 ``kernel.warmup(...)`` traces and compiles down to sm_90a PTX (and ``ptxas`` can assemble it);
-nothing is ever launched. Used by tests/test_vocab_gluon_compile.py and
+nothing is ever launched. Used by tests/head/test_vocab_gluon_compile.py and
 benchmarks/probes/ptxas_report.py; nothing in the package imports it.
 """
 

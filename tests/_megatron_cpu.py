@@ -185,7 +185,7 @@ def build_tiny_gpt(
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.context_parallel.attention import get_gpt_layer_with_context_parallel_spec
+    from megatron.context_parallel.attention.layers import get_gpt_layer_with_context_parallel_spec
 
     pp = ps.get_pipeline_model_parallel_world_size()
     if pattern is not None:
@@ -257,7 +257,7 @@ def _hybrid_spec(reference: bool):
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron.context_parallel.hybrid import get_hybrid_stack_with_context_parallel_spec
+    from megatron.context_parallel.models.hybrid import get_hybrid_stack_with_context_parallel_spec
 
     spec = get_hybrid_stack_with_context_parallel_spec()
     if not reference:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.context_parallel.vocab_ops import vocab_stats, vocab_stats_backward
+from megatron.context_parallel.head.vocab_ops import vocab_stats, vocab_stats_backward
 
 IGNORE = -100
 

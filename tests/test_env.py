@@ -186,7 +186,7 @@ def test_host_tables_loader_outcomes(monkeypatch):
 
     monkeypatch.setattr(_extension, "_host_state", None)
     monkeypatch.delenv("MCP_REQUIRE_EXTENSION")
-    monkeypatch.setattr(_extension, "_HOST_MODULE", "megatron.context_parallel.plan")
+    monkeypatch.setattr(_extension, "_HOST_MODULE", "megatron.context_parallel.comm.plan")
     monkeypatch.setattr(_extension, "_import_host_module", _fail_import)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -65,11 +65,11 @@ def test_cp_probe_matches_cp1_at_cp2_and_cp4():
         assert len(counts) == int(r[0]) and sum(counts) == 200, r
         if r[2] == "uneven":
             assert len(set(counts)) == len(counts), r  # every shard a different size
-        diffs = [float(x) for x in r[4:9]]  # 4 fields + the seed probe
+        diffs = [float(x) for x in r[4:9]]  # 4 fields + the report probe
         assert all(d <= 1e-4 for d in diffs), r
         assert float(r[9].replace(",", "")) > 0
     probe = re.search(
-        r"seed probe: output\.hidden_states\[1:\]\[mask\].*\[199\] -> \((\d+), 64\)"
+        r"report probe: output\.hidden_states\[1:\]\[mask\].*\[199\] -> \((\d+), 64\)"
         r" at CP 1, 2, 4: passed",
         out,
     )

@@ -6,7 +6,7 @@ library that formats an integer into a stream, linked as that compiler does, nee
 ``libstdc++.so`` and exports its own copy of the stream code; with ``LINK_ARGS`` (what
 ``setup.py`` adds) it needs ``libstdc++.so`` and carries no copy, and ``check_shared_runtime``
 tells the two apart. The GPU side (a bad call into the built extension raises
-``RuntimeError``) is ``tests/test_ops_cuda.py``.
+``RuntimeError``) is ``tests/comm/test_row_ops_cuda.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 //
 // megatron/context_parallel/attention_runs.py and attention_blocks.py hold the definitions, a
 // torch-op reference of each builder; the two are kept equal field by field
-// (tests/test_attention_tables_native.py).
+// (tests/attention/test_tables_native.py).
 // The reference issues about a hundred small torch ops per batch, each paying the dispatcher
 // and an allocation: milliseconds on the host where one layer's attention takes tens of them.
 // Here every table is one or two linear passes over the batch's rows.

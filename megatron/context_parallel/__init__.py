@@ -2,6 +2,8 @@
 
 Public API:
     ContextParallelPlan: which CP rank owns which source positions, in local row order.
+    PrefixTree, tree_plan, plan_balance: shared-prefix (tree) packing of a batch, its default
+        plan (attention work and tokens balanced over the ranks) and that balance.
     gather_from_context_parallel_region: CP shards -> full tensors in source order, every rank.
     scatter_to_context_parallel_region: full tensor -> this rank's rows (the inverse).
     reduce_over_data_parallel: all-reduce over the pure data-parallel group.
@@ -14,7 +16,7 @@ Public API:
         under CP.
     ContextParallelSelfAttention, ContextParallelAttention, ContextParallelParams,
     get_gpt_layer_with_context_parallel_spec: megatron-core's local layer spec with rotary at
-        source positions and a reference CP core attention, for any plan.
+        source positions and a CP core attention for any plan (fused cuDNN on GPUs, dense on CPU).
     get_hybrid_stack_with_context_parallel_spec, ContextParallelHybridStack: the counterpart
         of megatron-core's hybrid_stack_spec for HybridModel under any plan (local modules).
     ContextParallelGatedDeltaNet, HeadShardRows, get_gated_delta_net_with_context_parallel_spec:
@@ -27,8 +29,14 @@ The model-level names import megatron-core's transformer stack, so they load on 
 
 import importlib
 
-from megatron.context_parallel.errors import InputError
-from megatron.context_parallel.head import (
+from megatron.context_parallel.comm.errors import InputError
+from megatron.context_parallel.comm.mappings import (
+    gather_from_context_parallel_region,
+    reduce_over_data_parallel,
+    scatter_to_context_parallel_region,
+)
+from megatron.context_parallel.comm.plan import ContextParallelPlan
+from megatron.context_parallel.head.output import (
     FIELDS,
     IGNORE_INDEX,
     ForwardOutput,
@@ -37,35 +45,33 @@ from megatron.context_parallel.head import (
     compute_forward_output,
     make_output_processor,
 )
-from megatron.context_parallel.mappings import (
-    gather_from_context_parallel_region,
-    reduce_over_data_parallel,
-    scatter_to_context_parallel_region,
-)
-from megatron.context_parallel.plan import ContextParallelPlan
+from megatron.context_parallel.tree import PrefixTree, plan_balance, tree_plan
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ContextParallelBatch": "megatron.context_parallel.model",
-    "context_parallel_batch": "megatron.context_parallel.model",
-    "context_parallel_forward": "megatron.context_parallel.model",
-    "default_plan": "megatron.context_parallel.model",
-    "ContextParallelSelfAttention": "megatron.context_parallel.attention",
-    "ContextParallelAttention": "megatron.context_parallel.attention",
-    "ContextParallelParams": "megatron.context_parallel.attention",
-    "get_gpt_layer_with_context_parallel_spec": "megatron.context_parallel.attention",
-    "get_hybrid_stack_with_context_parallel_spec": "megatron.context_parallel.hybrid",
-    "ContextParallelHybridStack": "megatron.context_parallel.hybrid",
-    "ContextParallelGatedDeltaNet": "megatron.context_parallel.gdn",
-    "HeadShardRows": "megatron.context_parallel.gdn",
-    "get_gated_delta_net_with_context_parallel_spec": "megatron.context_parallel.gdn",
-    "set_attention_backend": "megatron.context_parallel.fused_attention",
-    "AttentionRuns": "megatron.context_parallel.attention_runs",
+    "ContextParallelBatch": "megatron.context_parallel.models.forward",
+    "context_parallel_batch": "megatron.context_parallel.models.forward",
+    "context_parallel_forward": "megatron.context_parallel.models.forward",
+    "default_plan": "megatron.context_parallel.models.forward",
+    "ContextParallelSelfAttention": "megatron.context_parallel.attention.layers",
+    "ContextParallelAttention": "megatron.context_parallel.attention.layers",
+    "ContextParallelParams": "megatron.context_parallel.params",
+    "get_gpt_layer_with_context_parallel_spec": "megatron.context_parallel.attention.layers",
+    "get_hybrid_stack_with_context_parallel_spec": "megatron.context_parallel.models.hybrid",
+    "ContextParallelHybridStack": "megatron.context_parallel.models.hybrid",
+    "ContextParallelGatedDeltaNet": "megatron.context_parallel.mixers.gdn",
+    "HeadShardRows": "megatron.context_parallel.mixers.gdn",
+    "get_gated_delta_net_with_context_parallel_spec": "megatron.context_parallel.mixers.gdn",
+    "set_attention_backend": "megatron.context_parallel.attention.fused",
+    "AttentionRuns": "megatron.context_parallel.attention.runs",
 }
 
 __all__ = [
     "ContextParallelPlan",
+    "PrefixTree",
+    "tree_plan",
+    "plan_balance",
     "gather_from_context_parallel_region",
     "scatter_to_context_parallel_region",
     "reduce_over_data_parallel",

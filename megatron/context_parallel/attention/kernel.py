@@ -1,0 +1,55 @@
+"""The seam between the fused attention Functions (``fused``) and a varlen attention kernel.
+
+``fused`` moves the data (query span buffers, compact keys, gradient sums); a kernel computes
+the entries of one ``AttentionRuns`` call. Anything with these members plugs in: the cuDNN
+kernel (``cudnn.CudnnKernel``), or the tests' dense reference kernels on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+
+__all__ = ["AttentionKernel"]
+
+
+@runtime_checkable
+class AttentionKernel(Protocol):
+    """A varlen attention kernel over the entries of one ``AttentionRuns`` call.
+
+    Shapes (``H`` query heads, ``G`` key / value heads, ``d`` head dim): ``q`` ``[Tq, H, d]``,
+    ``kv`` ``[N, G, 2d]`` (keys, then values), ``o`` / ``do`` / ``dq`` like ``q``, ``stats`` the
+    log-sum-exp ``[Tq, H]``, ``dkv`` ``[2, M, G, d]`` (key gradients, then value gradients;
+    ``M = runs.mat_rows``). Each entry is a bottom-right causal block (``runs.causal``; else
+    unmasked) of its ``q_len`` rows over its ``kv_len`` keys; the backward differentiates against
+    the output and log-sum-exp it is given and writes each entry's key gradients whole.
+
+    Attributes:
+        shared_keys_in_backward: the backward reads each entry's keys where the forward did
+            (overlapping ranges of the compact keys); False: it is given per-entry copies at
+            ``runs.mat_start`` when entries overlap (``runs.materialize``).
+    """
+
+    shared_keys_in_backward: bool
+
+    def forward(
+        self, q: torch.Tensor, kv: torch.Tensor, runs, dev, scale: float, want_stats: bool
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(o, stats)`` of every entry (``stats`` None unless ``want_stats``)."""
+        ...
+
+    def backward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        o: torch.Tensor,
+        do: torch.Tensor,
+        stats: torch.Tensor,
+        runs,
+        dev,
+        scale: float,
+        deterministic: bool,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(dq, dkv)`` of every entry."""
+        ...

@@ -1,0 +1,764 @@
+"""Run tables: one rank's attention under any CP plan as a batch of bottom-right causal segments.
+
+Causal attention by source position, within each packed sequence, for the rows one rank owns
+(any plan: zigzag, contiguous, THD, uneven, empty, permuted, with positions nobody owns) is a
+batch of ordinary fused-attention problems once the keys are laid out in *compact* order: the
+owned positions of the batch in source order, positions nobody owns left out (no rank holds
+their keys, so no query may see them). In compact coordinates a run of consecutive rows
+``[a, b)`` of a sequence starting at ``s`` attends keys ``[s, b)``, the query at ``a + i``
+seeing ``[s, a + i]``: a causal mask aligned to the bottom-right corner of a
+``(b - a) x (b - s)`` block. Every plan decomposes exactly into such runs (a single row is a
+run), so a varlen attention kernel with per-entry query / key offsets and a bottom-right
+diagonal computes it with no score matrix in memory.
+
+Two choices keep the batch cheap for the kernel:
+
+* **Spans.** Runs of one sequence closer than ``merge_gap`` rows are merged into one entry
+  whose rows in between (held by other ranks) run as *dummy* queries: zero rows whose output is
+  dropped and whose output gradient is zero, so they add nothing to any gradient. A kernel's
+  query tile is 64-128 rows, so a plan that interleaves single positions (a random half) would
+  otherwise pay a whole tile per row.
+* **Layout.** When the rank's rows already form the entries in its local order (no dummies,
+  each run a contiguous block of local rows: zigzag, contiguous, THD, the report's plans) the
+  kernel reads the local rows in place (``identity``); otherwise the queries are gathered into
+  a span buffer (``span_source``) and the outputs gathered back (``local_to_span``).
+
+Entries of one sequence share their keys' prefix. A kernel's backward writes each entry's key
+and value gradients whole, so their gradient rows must not overlap: when some sequence has two
+or more entries (``materialize``) each entry gets its own gradient rows (``mat_start``; a
+kernel that cannot read overlapping key ranges is also given the keys copied to those rows,
+``kv_source``), and each all-gather slot's gradient is the sum of its key's rows
+(``slot_copies``).
+
+Everything here is built once per batch on the host from the plan, then copied to the device
+once (``on(device)``), and shared by every layer. The builders run in C++
+(``csrc/host/attention_tables.cpp``, linear passes) where the package was built with them, else
+as the torch ops below, which define the tables and are the reference the C++ is tested against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Optional, Set, Tuple
+
+import torch
+
+from megatron.context_parallel import _extension
+from megatron.context_parallel.attention.settings import current_attention_settings
+from megatron.context_parallel.comm.plan import ContextParallelPlan
+
+__all__ = [
+    "AttentionRuns",
+    "CompactKeys",
+    "DeviceRuns",
+    "KernelShapes",
+    "kernel_shapes",
+    "recorded_shapes",
+    "run_entries",
+    "serial_host_ops",
+]
+
+# Runs of one sequence closer than this are merged (their gap runs as dummy queries): merging
+# costs at most this many dummy rows and saves a partly filled query tile (64-128 rows).
+DEFAULT_MERGE_GAP = 64
+
+# The call tables the kernel reads as int32 (to_device converts them).
+INT32_TABLES = ("seq_len_q", "seq_len_kv")
+
+
+def _bucket(n: int, per_octave: int = 1) -> int:
+    """``n`` rounded up to one of ``per_octave`` sizes per power of two (at least 1).
+
+    Kernel plans are keyed by these sizes, so batches of new lengths reuse built plans.
+    """
+    if n <= 1:
+        return 1
+    top = 1 << (int(n) - 1).bit_length()
+    if per_octave <= 1:
+        return top
+    step = max(top // (2 * per_octave), 1)
+    return -(-int(n) // step) * step
+
+
+@contextlib.contextmanager
+def serial_host_ops():
+    """Torch's CPU ops inside run on the calling thread alone (the thread count is restored on
+    exit); usable as a decorator.
+
+    The tables are built once per batch, between long stretches in which the host only queues
+    GPU work and torch's intra-op threads sleep. Waking them for a fill or a concatenation of
+    ~10^5 int64 costs more than the split saves: on a 2-core CPU, S = 20,436, zigzag's tables
+    went 0.88 -> 0.57 ms on one thread, the blocked random half 3.5 -> 2.2 ms. Off with
+    ``AttentionSettings.serial_host_ops`` False (kept so the two can be timed).
+    """
+    threads = torch.get_num_threads()
+    if threads == 1 or not current_attention_settings().serial_host_ops:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def host_ops():
+    """The C++ table builders, or None: build with torch ops (``_extension.host_tables``)."""
+    return _extension.host_tables()
+
+
+def _run_starts(values: torch.Tensor) -> torch.Tensor:
+    """For non-decreasing ``values``, the index of the first element equal to each element
+    (``searchsorted(values, values)``, in one linear pass)."""
+    n = values.numel()
+    index = torch.arange(n)
+    new = torch.ones(n, dtype=torch.bool)
+    new[1:] = values[1:] != values[:-1]
+    return torch.cummax(torch.where(new, index, 0), 0).values
+
+
+def _run_ends(values: torch.Tensor) -> torch.Tensor:
+    """For non-decreasing ``values``, one past the last element equal to each element
+    (``searchsorted(values, values, right=True)``)."""
+    n = values.numel()
+    return n - _run_starts(values.flip(0)).flip(0)
+
+
+def ascending_order(values: torch.Tensor) -> torch.Tensor:
+    """A stable argsort, skipped (one comparison pass) when ``values`` is sorted already."""
+    if values.numel() < 2 or bool((values[1:] >= values[:-1]).all()):
+        return torch.arange(values.numel())
+    return torch.argsort(values, stable=True)
+
+
+class CompactKeys:
+    """The owned positions of a batch in source order (the compact keys) and their sequences.
+
+    Attributes (int64, CPU):
+        slots: ``[N]``, the all-gather slot of each compact key.
+        count: ``N``.
+        of_position: ``[seq_len]``, the compact key of each owned position (unowned positions
+            hold their predecessor's; never read for them).
+        sequence: ``[N]``, the packed sequence of each compact key (non-decreasing).
+        sequence_start: ``[N]``, the first compact key of each key's sequence.
+    """
+
+    def __init__(self, plan: ContextParallelPlan, sequence: torch.Tensor):
+        source = plan.row_source("cpu")
+        ops = host_ops()
+        if ops is not None:
+            parts = ops.compact_keys(source, sequence.to(torch.int64).contiguous())
+            self.slots, self.of_position, self.sequence, self.sequence_start = parts
+            self.count = int(self.slots.numel())
+            return
+        owned = source >= 0
+        self.slots = source[owned]
+        self.count = int(self.slots.numel())
+        self.of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
+        self.sequence = sequence[owned]
+        self.sequence_start = _run_starts(self.sequence)
+
+
+def to_device(tables, device: torch.device, int32=()) -> list:
+    """Dicts of int64 host tensors (or None) on ``device`` in one host-to-device copy: the
+    same dicts, device tensors; those named in ``int32`` as int32 (one conversion for all).
+
+    On CUDA the copy is from pinned memory and does not block the host: a copy from pageable
+    memory would wait for everything already queued on the stream, so tables built while the
+    GPU runs earlier layers would stall the host until the GPU drained.
+    """
+    names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
+    # The int32 tables first: their region converts as one tensor.
+    names.sort(key=lambda name: name[1] not in int32)
+    narrow = sum(tables[i][k].numel() for i, k in names if k in int32)
+    flat = [tables[i][k].reshape(-1) for i, k in names]
+    packed = torch.cat(flat or [torch.zeros(0, dtype=torch.int64)])
+    if torch.device(device).type == "cuda":
+        # The caching host allocator keeps the pinned block until the copy has run.
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
+    sizes = [t.numel() for t in flat]
+    n32 = sum(1 for _, k in names if k in int32)
+    parts = list(packed[narrow:].split(sizes[n32:]))
+    if n32:
+        parts = list(packed[:narrow].to(torch.int32).split(sizes[:n32])) + parts
+    out = [{k: None for k in t} for t in tables]
+    for (i, k), part in zip(names, parts):
+        shape = tables[i][k].shape
+        out[i][k] = part if len(shape) == 1 else part.view(shape)
+    return out
+
+
+# Kernel shapes. Every kernel plan (a cuDNN graph, ~0.1-0.2 s to build) is keyed by its shape
+# (batch, max_q, max_kv): the entries, and the longest entry's rows and keys, rounded up to one
+# of AttentionSettings.shape_buckets sizes per power of two. A larger shape is exact for a smaller
+# batch (padding entries have no rows, cuDNN reads each entry's own lengths) and cost nothing
+# measurable: on an H100 at S = 20,436, forward+backward of the five benchmark cases on shapes
+# padded by 2x in query rows, 4x in keys, 4x in entries or 2x in all three ran at 0.97-1.04x their
+# own (within the noise). So the shapes are powers of two, and a batch may also run on a recorded
+# shape up to AttentionSettings.shape_reuse (2) times its own in every size, which bounds the
+# shapes a process ever builds to a few per octave of the sequence length. Replayed over 200
+# random uneven plans at S = 20,436 (probe_build_policy): 31 graph builds, 17 of them in the
+# first 20 plans (the backward's are sized for the largest totals so far:
+# cudnn.backward_totals), against 273 with 16 sizes per octave and no reuse, and 107 with reuse
+# 1.5 and backward graphs per row total.
+
+
+class KernelShapes:
+    """The kernel shapes handed out in a process: each batch's own bucketed shape -> the shape
+    it runs on.
+
+    A shape, once chosen, stays chosen for that own shape: a batch that comes again runs on the
+    graphs it ran on before (a later record must not move it to a shape whose backward graph was
+    built for smaller totals).
+    """
+
+    def __init__(self):
+        self._chosen: Dict[tuple, tuple] = {}
+
+    def recorded(self) -> Set[tuple]:
+        """The shapes handed out so far."""
+        return set(self._chosen.values())
+
+    def record(self, shape: Tuple[int, int, int]) -> None:
+        """Records ``shape`` as chosen for itself (later batches may run on it)."""
+        self._chosen[tuple(shape)] = tuple(shape)
+
+    def shared(self, batch: int, max_q: int, max_kv: int, reuse: float) -> tuple:
+        """The shape a batch whose own bucketed shape is ``(batch, max_q, max_kv)`` runs on: the
+        one chosen before for that shape; else the recorded shape of least padded work covering
+        it within ``reuse`` times in every size; else its own, recorded."""
+        own = (batch, max_q, max_kv)
+        chosen = self._chosen.get(own)
+        if chosen is not None:
+            return chosen
+        chosen = own
+        if reuse > 1:
+            fits = [
+                s
+                for s in self.recorded()
+                if batch <= s[0] <= batch * reuse
+                and max_q <= s[1] <= max_q * reuse
+                and max_kv <= s[2] <= max_kv * reuse
+            ]
+            if fits:
+                chosen = min(fits, key=lambda s: (s[0] * s[1] * s[2], s))
+        self._chosen[own] = chosen
+        return chosen
+
+
+# The process's record; ``kernel_shapes`` scopes a fresh one.
+_SHAPES = [KernelShapes()]
+
+
+def recorded_shapes() -> set:
+    """The kernel shapes handed out so far in this process (or the innermost ``kernel_shapes``
+    block)."""
+    return _SHAPES[0].recorded()
+
+
+@contextlib.contextmanager
+def kernel_shapes(shapes: Optional[KernelShapes] = None) -> Iterator[KernelShapes]:
+    """Tables built inside take their kernel shapes from ``shapes`` (default: a new, empty
+    record), yielded; the process's record is back on exit (tests and probes start afresh)."""
+    before = _SHAPES[0]
+    _SHAPES[0] = KernelShapes() if shapes is None else shapes
+    try:
+        yield _SHAPES[0]
+    finally:
+        _SHAPES[0] = before
+
+
+def _shared_shape(batch: int, max_q: int, max_kv: int) -> tuple:
+    """The shape a batch of own bucketed shape ``(batch, max_q, max_kv)`` runs on, by the
+    record in effect and ``AttentionSettings.shape_reuse``."""
+    return _SHAPES[0].shared(batch, max_q, max_kv, current_attention_settings().shape_reuse)
+
+
+def _kernel_sizes(q_len, kv_len, query_rows: int, mat_rows: int, shape_buckets) -> dict:
+    """The bucketed sizes a kernel plan is keyed by (see ``AttentionRuns``); ``shape_buckets``
+    None: ``AttentionSettings.shape_buckets``."""
+    entries = int(q_len.numel())
+    if shape_buckets is None:
+        shape_buckets = current_attention_settings().shape_buckets
+    batch, max_q, max_kv = _shared_shape(
+        _bucket(entries),
+        _bucket(int(q_len.max()) if entries else 1, shape_buckets),
+        _bucket(int(kv_len.max()) if entries else 1, shape_buckets),
+    )
+    return dict(
+        batch=batch,
+        max_q=max_q,
+        max_kv=max_kv,
+        # cuDNN sizes its dQ accumulator by these totals in multiples of 64 rows.
+        total_q=-(-_bucket(query_rows, per_octave=8) // 64) * 64,
+        total_mat=-(-_bucket(mat_rows, per_octave=8) // 64) * 64,
+    )
+
+
+@dataclass
+class DeviceRuns:
+    """The device copies of one ``AttentionRuns`` (built by ``AttentionRuns.on``).
+
+    Attributes:
+        seq_len_q: int32 ``[batch, 1, 1, 1]``, query rows of each entry (0 for padding entries).
+        seq_len_kv: int32 ``[batch, 1, 1, 1]``, keys of each entry (0 for padding entries).
+        q_rows: int64 ``[batch + 1]``, first query-buffer row of each entry.
+        kv_rows: int64 ``[batch + 1]``, first compact key row of each entry (forward).
+        mat_rows: int64 ``[batch + 1]``, first row of each entry in the backward's key buffer.
+        span_source / local_to_span / kv_source / compact_slots / slot_copies: as on
+            ``AttentionRuns``.
+        stats_index: int64 ``[batch * max_q]``, the query-buffer row of each padded statistics
+            slot ``(entry, i)`` or -1.
+    """
+
+    seq_len_q: torch.Tensor
+    seq_len_kv: torch.Tensor
+    q_rows: torch.Tensor
+    kv_rows: torch.Tensor
+    mat_rows: torch.Tensor
+    span_source: Optional[torch.Tensor]
+    local_to_span: Optional[torch.Tensor]
+    kv_source: Optional[torch.Tensor]
+    compact_slots: Optional[torch.Tensor]
+    slot_copies: Optional[torch.Tensor]
+    stats_index: torch.Tensor
+    _offsets: Dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def offsets(self, which: str, stride: int) -> torch.Tensor:
+        """int64 ``[batch + 1, 1, 1, 1]`` element offsets: ``which`` rows times ``stride``."""
+        key = (which, int(stride))
+        out = self._offsets.get(key)
+        if out is None:
+            out = (getattr(self, which) * int(stride)).reshape(-1, 1, 1, 1).contiguous()
+            self._offsets[key] = out
+        return out
+
+
+class ReadOnlyTables:
+    """Host tables set once at construction (keyword arguments), then read-only; device copies
+    are cached per device in ``_device``."""
+
+    def __init__(self, **values):
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_device", {})
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is read-only (cannot set {name!r})")
+
+
+class AttentionRuns(ReadOnlyTables):
+    """One rank's causal attention under a plan, as entries of a bottom-right causal batch.
+
+    Build with ``AttentionRuns.build``; read-only afterwards. All host tensors are int64 CPU.
+
+    Attributes:
+        rows: the rank's query rows (``counts[rank] + padding_rows``).
+        num_keys: ``N``, the owned positions of the batch (the compact key rows).
+        entries: the number of real entries ``B`` (0 for a rank that owns nothing).
+        q_start, q_len, k_start, kv_len, mat_start: int64 ``[B]`` per entry: its first row in the
+            query buffer and its row count; its first compact key and key count; its first row
+            in the backward's key buffer.
+        identity: the query buffer is the local rows themselves (no gather).
+        span_source: int64 ``[query_rows]``, the local row of each query-buffer row, -1 for a
+            dummy (None when ``identity``).
+        local_to_span: int64 ``[counts[rank]]``, the query-buffer row of each local row (None
+            when ``identity``).
+        query_rows: rows of the query buffer (``rows`` when ``identity``).
+        materialize: entries overlap, so each gets its own rows of key gradients.
+        kv_source: int64 ``[mat_rows]``, the compact key of each of those rows (None unless
+            ``materialize``).
+        mat_rows: rows of the backward's key gradients (``num_keys`` unless ``materialize``).
+        compact_slots: int64 ``[N]``, the all-gather slot of each compact key, or None when the
+            slots already are the compact keys (a contiguous plan with equal shards).
+        slots: rows of the padded all-gather (``cp_size * max_count``).
+        slot_copies: int64 ``[copies, slots]``: row ``j`` holds, for each slot, the backward
+            buffer row of its key's ``j``-th copy (-1: none, e.g. a padding slot); None when
+            the backward buffer rows are the slots themselves.
+        keys_covered: without copies, every compact key is attended by some entry (else the
+            key gradient starts at zero rather than being written whole by the kernel).
+        rows_covered: every query-buffer row belongs to an entry, or is never read (so the
+            kernel need not zero the rows outside the entries).
+        batch, max_q, max_kv, total_q, total_mat: the sizes a kernel plan is keyed by, bucketed
+            (``_bucket``) so that batches of new lengths reuse plans.
+        causal: the entries are bottom-right causal blocks (``from_entries`` also makes
+            unmasked ones).
+        work: score elements of the rows' own causal attention (each row's keys from its
+            sequence's start to itself; no tiles, no dummies), for the layout choice (None on
+            ``from_entries`` calls).
+    """
+
+    @classmethod
+    @serial_host_ops()
+    def build(
+        cls,
+        plan: ContextParallelPlan,
+        rank: int,
+        sequence: torch.Tensor,
+        *,
+        padding_rows: int = 0,
+        merge_gap: int = DEFAULT_MERGE_GAP,
+        shape_buckets: Optional[int] = None,
+        longest_first: bool = True,
+        keys: Optional["CompactKeys"] = None,
+    ) -> "AttentionRuns":
+        """The entries of rank ``rank``'s rows of ``plan`` (host only, no device work).
+
+        Args:
+            plan: the batch's plan.
+            rank: this rank's index in the plan.
+            sequence: int64 ``[seq_len]`` (CPU), the packed sequence of each source position
+                (non-decreasing).
+            padding_rows: extra query rows after the owned ones that attend nothing (an empty
+                rank's one padding row).
+            merge_gap: runs of one sequence with fewer than this many rows between them merge
+                into one entry (``1`` never merges).
+            shape_buckets: sizes per power of two that the longest entry's rows and keys are
+                rounded up to (kernel plans are built per size; None:
+                ``AttentionSettings.shape_buckets``, powers of two). Padded sizes cost nothing
+                measurable (see the kernel shape notes above ``KernelShapes``;
+                on the H200 too, once entries ran longest first: THD 1.18x the floor with
+                powers of two, 1.19x with 16 sizes per octave).
+            longest_first: order the entries by key count, longest first (the kernel then
+                starts its longest tiles first, and the short ones fill the tail).
+            keys: ``CompactKeys(plan, sequence)`` when the caller has it already.
+        """
+        keys = CompactKeys(plan, sequence) if keys is None else keys
+        build = _reference_tables if host_ops() is None else _native_tables
+        tables, flags = build(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first)
+        slots = plan.cp_size * plan.max_count
+        identity, query_rows, materialize, mat_rows, keys_covered, n_copies, work = flags
+        slots_are_rows = not materialize and plan.slots_in_source_order
+        return cls._from_tables(
+            tables[:8], bool(identity), query_rows, bool(materialize), mat_rows,
+            slot_copies=None if slots_are_rows else tables[8].view(n_copies, slots),
+            keys_covered=bool(keys_covered), work=work, shape_buckets=shape_buckets,
+            plan=plan, rank=rank, rows=int(plan.counts[rank]) + padding_rows,
+            num_keys=keys.count, compact_slots=None if plan.slots_in_source_order else keys.slots,
+            slots=slots, rows_covered=padding_rows == 0, causal=True,
+        )  # fmt: skip
+
+    @classmethod
+    def _from_tables(
+        cls, tables, identity, query_rows, materialize, mat_rows, *, slot_copies, keys_covered,
+        work, shape_buckets, **rest,
+    ) -> "AttentionRuns":  # fmt: skip
+        """The object from the per-entry ``tables`` (``q_start, q_len, k_start, kv_len,
+        mat_start, span_source, local_to_span, kv_source``; the last three read only where
+        ``identity`` / ``materialize`` make them meaningful), the layout flags, and the
+        attributes in ``rest``; the kernel sizes follow from the entries."""
+        q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source = tables
+        return cls(
+            q_start=q_start,
+            q_len=q_len,
+            k_start=k_start,
+            kv_len=kv_len,
+            mat_start=mat_start,
+            entries=int(q_len.numel()),
+            identity=identity,
+            span_source=None if identity else span_source,
+            local_to_span=None if identity else local_to_span,
+            query_rows=query_rows,
+            materialize=materialize,
+            kv_source=kv_source if materialize else None,
+            mat_rows=mat_rows,
+            slot_copies=slot_copies,
+            keys_covered=keys_covered,
+            work=work,
+            **_kernel_sizes(q_len, kv_len, query_rows, mat_rows, shape_buckets),
+            **rest,
+        )
+
+    @classmethod
+    def from_entries(
+        cls,
+        q_start: torch.Tensor,
+        q_len: torch.Tensor,
+        k_start: torch.Tensor,
+        kv_len: torch.Tensor,
+        *,
+        query_rows: int,
+        num_keys: int,
+        causal: bool,
+        span_source: Optional[torch.Tensor] = None,
+        local_to_span: Optional[torch.Tensor] = None,
+        rows_covered: bool = True,
+        backward: bool = True,
+        shape_buckets: Optional[int] = None,
+    ) -> "AttentionRuns":
+        """One kernel call of entries given directly (the blocked layout's calls).
+
+        Entries must not share query rows; their keys may overlap. The backward writes each
+        entry's key gradients to its own rows (``materialize``: packed in entry order,
+        ``kv_source`` naming the compact key of each), so the caller adds them where they
+        belong. Entries are run longest first.
+
+        Args:
+            q_start, q_len, k_start, kv_len: int64 ``[B]`` per entry (no empty entries).
+            query_rows: rows of the query buffer the call reads.
+            num_keys: compact keys ``N`` (``k_start + kv_len <= N``).
+            causal: bottom-right causal entries, else unmasked.
+            span_source, local_to_span: carried for the caller (see ``AttentionRuns``).
+            rows_covered: the caller never reads query rows outside the entries (else the
+                kernel zeroes their output).
+            backward: the call also runs backward (else no key-gradient rows are laid out:
+                a forward-only call may hold overlapping keys of any total length).
+        """
+        entries = int(q_len.numel())
+        if entries > 1:
+            first = torch.argsort(kv_len, descending=True, stable=True)
+            q_start, q_len, k_start, kv_len = (t[first] for t in (q_start, q_len, k_start, kv_len))
+        if backward:
+            mat_start = torch.cumsum(kv_len, 0) - kv_len
+            mat_rows = int(kv_len.sum())
+            shift = torch.repeat_interleave(mat_start - k_start, kv_len)
+            kv_source = torch.arange(mat_rows) - shift
+        else:
+            mat_start, mat_rows, kv_source = k_start, num_keys, None
+        return cls.from_layout(
+            q_start, q_len, k_start, kv_len, mat_start, kv_source, query_rows=query_rows,
+            mat_rows=mat_rows, num_keys=num_keys, causal=causal, span_source=span_source,
+            local_to_span=local_to_span, rows_covered=rows_covered, shape_buckets=shape_buckets,
+        )  # fmt: skip
+
+    @classmethod
+    def from_layout(
+        cls, q_start, q_len, k_start, kv_len, mat_start, kv_source, *, query_rows, mat_rows,
+        num_keys, causal, span_source, local_to_span, rows_covered, shape_buckets,
+    ) -> "AttentionRuns":  # fmt: skip
+        """One kernel call of entries already ordered and laid out (``from_entries``'s, or a
+        builder's that did both): ``kv_source`` names the compact key of each backward key row
+        (None: forward only, key rows at ``k_start``)."""
+        tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source)
+        return cls._from_tables(
+            tables, span_source is None, query_rows, kv_source is not None, mat_rows,
+            slot_copies=None, keys_covered=True, work=None, shape_buckets=shape_buckets,
+            plan=None, rank=None, rows=query_rows, num_keys=num_keys, compact_slots=None,
+            slots=None, rows_covered=bool(rows_covered), causal=bool(causal),
+        )  # fmt: skip
+
+    def on(self, device: torch.device) -> DeviceRuns:
+        """The device tables (built on first use per device, then shared by every layer)."""
+        device = torch.device(device)
+        cached = self._device.get(device)
+        if cached is not None:
+            return cached
+        with serial_host_ops():
+            return self._adopt(device, to_device([self._host_tables()], device, INT32_TABLES)[0])
+
+    def _host_tables(self) -> Dict[str, Optional[torch.Tensor]]:
+        """The int64 host tables ``on`` copies (None: absent)."""
+        ops = host_ops()
+        if ops is not None:
+            parts = ops.call_tables(
+                self.q_start, self.q_len, self.k_start, self.kv_len, self.mat_start, self.batch,
+                self.max_q, self.query_rows, self.num_keys, self.mat_rows,
+            )  # fmt: skip
+            names = ("seq_len_q", "seq_len_kv", "q_rows", "kv_rows", "mat_rows", "stats_index")
+            host = dict(zip(names, parts))
+        else:
+            host = self._reference_call_tables()
+        host.update(
+            span_source=self.span_source,
+            local_to_span=self.local_to_span,
+            kv_source=self.kv_source,
+            compact_slots=self.compact_slots,
+            slot_copies=self.slot_copies,
+        )
+        return host
+
+    def _reference_call_tables(self) -> Dict[str, torch.Tensor]:
+        """The per-entry device layout by torch ops (the definition ``call_tables`` meets)."""
+        pad = self.batch - self.entries
+
+        def starts(values: torch.Tensor, total: int) -> torch.Tensor:
+            # Padding entries (and the closing offset) point past the last row.
+            return torch.cat([values, torch.full((pad + 1,), total, dtype=torch.int64)])
+
+        slot = torch.arange(self.max_q)
+        stats_index = torch.full((self.batch, self.max_q), -1, dtype=torch.int64)
+        if self.entries:
+            valid = slot[None, :] < self.q_len[:, None]
+            rows = self.q_start[:, None] + slot[None, :]
+            stats_index[: self.entries] = torch.where(valid, rows, -1)
+        return {
+            "seq_len_q": torch.cat([self.q_len, self.q_len.new_zeros(pad)]),
+            "seq_len_kv": torch.cat([self.kv_len, self.kv_len.new_zeros(pad)]),
+            "q_rows": starts(self.q_start, self.query_rows),
+            "kv_rows": starts(self.k_start, self.num_keys),
+            "mat_rows": starts(self.mat_start, self.mat_rows),
+            "stats_index": stats_index.flatten(),
+        }
+
+    def _adopt(self, device: torch.device, parts: Dict[str, Optional[torch.Tensor]]):
+        """Caches and returns the ``DeviceRuns`` of tables already on ``device``."""
+        parts = dict(parts)
+        for name in INT32_TABLES:
+            parts[name] = parts[name].view(-1, 1, 1, 1)
+        moved = DeviceRuns(**parts)
+        self._device[device] = moved
+        return moved
+
+    def describe(self) -> str:
+        """One line for messages and benchmarks."""
+        layout = "in place" if self.identity else f"{self.query_rows} span rows"
+        keys = f", keys copied to {self.mat_rows} rows" if self.materialize else ""
+        return f"{self.entries} entries ({layout}{keys}) over {self.num_keys} keys"
+
+
+# --- one rank's entries: the C++ builder, and the torch ops that define it ----------------------
+# Both return ``run_tables``' layout: the per-entry tables ``(q_start, q_len, k_start, kv_len,
+# mat_start, span_source, local_to_span, kv_source, slot_copies)`` and the flags ``(identity,
+# query_rows, materialize, mat_rows, keys_covered, copies, work)``.
+
+
+def run_entries(
+    plan: ContextParallelPlan,
+    rank: int,
+    sequence: torch.Tensor,
+    keys: CompactKeys,
+    merge_gap: int = DEFAULT_MERGE_GAP,
+) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """``(q_len, kv_len, work)`` of the entries ``AttentionRuns.build`` would make, without
+    laying out their tables: what a layout choice needs. The tables themselves can be large
+    (plans that cut a sequence into many runs give every entry its own key-gradient rows), so
+    they are built only for the layout that runs."""
+    positions = plan.local_positions(rank)
+    compact = keys.of_position[positions]
+    spans = _spans(compact, sequence[positions], merge_gap)
+    lo, q_len = spans["lo"], spans["len"]
+    kv_len = lo + q_len - keys.sequence_start[lo] if lo.numel() else lo
+    work = int((compact - keys.sequence_start[compact] + 1).sum()) if compact.numel() else 0
+    return q_len, kv_len, work
+
+
+def _native_tables(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first):
+    """``AttentionRuns.build``'s tables from the C++ builder (``run_tables``)."""
+    return host_ops().run_tables(
+        plan.local_positions(rank), keys.of_position, sequence.to(torch.int64).contiguous(),
+        keys.slots, keys.sequence, keys.sequence_start, padding_rows, merge_gap,
+        longest_first, plan.cp_size * plan.max_count, plan.slots_in_source_order,
+    )  # fmt: skip
+
+
+def _reference_tables(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first):
+    """``AttentionRuns.build``'s tables by torch ops (the definition ``run_tables`` meets)."""
+    positions = plan.local_positions(rank)
+    compact = keys.of_position[positions]
+    spans = _spans(compact, sequence[positions], merge_gap)
+    identity, query_rows, q_start, q_len, lo, span_source, local_to_span = _query_layout(
+        compact, spans, keys.count, padding_rows
+    )
+    k_start = keys.sequence_start[lo] if lo.numel() else lo
+    kv_len = lo + q_len - k_start
+    if longest_first and q_len.numel() > 1:
+        first = torch.argsort(kv_len, descending=True, stable=True)
+        q_start, q_len, lo, k_start, kv_len = (
+            t[first] for t in (q_start, q_len, lo, k_start, kv_len)
+        )
+    materialize, mat_start, mat_rows, kv_source = _key_rows(keys, lo, k_start, kv_len)
+    slot_copies = _slot_copies(plan, keys, kv_source if materialize else None)
+    keys_covered = not materialize and _keys_covered(keys, k_start, kv_len)
+    tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source)
+    work = int((compact - keys.sequence_start[compact] + 1).sum())
+    flags = (identity, query_rows, materialize, mat_rows, keys_covered, slot_copies.shape[0], work)
+    return tables + (slot_copies,), flags
+
+
+def _spans(compact: torch.Tensor, seq: torch.Tensor, merge_gap: int) -> dict:
+    """The rank's rows in compact key order (``order``, ``sorted_compact``), cut into spans of
+    one sequence with gaps under ``merge_gap``: each span's first and last sorted row, its first
+    compact key and its length in keys (own rows and dummies)."""
+    n = int(compact.numel())
+    order = ascending_order(compact)
+    sorted_compact, sorted_seq = compact[order], seq[order]
+    gaps = sorted_compact[1:] - sorted_compact[:-1]
+    new_span = (gaps > max(int(merge_gap), 1)) | (sorted_seq[1:] != sorted_seq[:-1])
+    firsts = torch.nonzero(torch.cat([torch.ones(min(n, 1), dtype=torch.bool), new_span]))
+    firsts = firsts.flatten()
+    lasts = torch.cat([firsts[1:] - 1, torch.tensor([n - 1])]) if n else firsts
+    span_lo = sorted_compact[firsts]
+    return dict(
+        seq=seq,
+        order=order,
+        sorted_compact=sorted_compact,
+        firsts=firsts,
+        lasts=lasts,
+        lo=span_lo,
+        len=sorted_compact[lasts] + 1 - span_lo,
+    )
+
+
+def _query_layout(compact: torch.Tensor, spans: dict, num_keys: int, padding_rows: int):
+    """Where each entry's query rows lie: ``(identity, query_rows, q_start, q_len, lo,
+    span_source, local_to_span)``, ``lo`` the first compact key of each entry. The local rows
+    themselves when they already form the spans in local order (no dummies, as many maximal
+    runs), else a span buffer gathered from them."""
+    n = int(compact.numel())
+    seq, span_lo, span_len = spans["seq"], spans["lo"], spans["len"]
+    if int(span_len.sum()) == n:
+        # The local order holds the same runs iff it has as many maximal runs.
+        local_breaks = ((compact[1:] - compact[:-1]) != 1) | (seq[1:] != seq[:-1])
+        if n == 0 or int(local_breaks.sum()) + 1 == int(spans["firsts"].numel()):
+            local_firsts = torch.nonzero(
+                torch.cat([torch.ones(min(n, 1), dtype=torch.bool), local_breaks])
+            ).flatten()
+            local_lasts = torch.cat([local_firsts[1:], torch.tensor([n])]) if n else local_firsts
+            lo = compact[local_firsts] if n else local_firsts
+            q_len = local_lasts - local_firsts
+            return True, n + padding_rows, local_firsts, q_len, lo, None, None
+    q_start = torch.cumsum(span_len, 0) - span_len
+    query_rows = int(span_len.sum())
+    # Query-buffer row j holds compact key (lo of its span + offset), owned locally or not.
+    span_id = torch.repeat_interleave(torch.arange(span_len.numel()), span_len)
+    span_key = torch.arange(query_rows) - q_start[span_id] + span_lo[span_id]
+    local_of_key = torch.full((num_keys,), -1, dtype=torch.int64)
+    local_of_key[compact] = torch.arange(n)
+    span_source = local_of_key[span_key]
+    firsts, lasts, order = spans["firsts"], spans["lasts"], spans["order"]
+    sorted_span = torch.repeat_interleave(torch.arange(firsts.numel()), lasts - firsts + 1)
+    local_to_span = torch.empty(n, dtype=torch.int64)
+    local_to_span[order] = spans["sorted_compact"] - span_lo[sorted_span] + q_start[sorted_span]
+    return False, query_rows, q_start, span_len, span_lo, span_source, local_to_span
+
+
+def _key_rows(keys: CompactKeys, lo, k_start, kv_len):
+    """The backward's key-gradient rows: ``(materialize, mat_start, mat_rows, kv_source)``.
+    Entries of one sequence share keys, so when a sequence has two or more entries each entry
+    gets its own rows (``kv_source``: the compact key of each row); else the compact keys."""
+    entries = int(kv_len.numel())
+    entry_seq = keys.sequence[lo] if entries else lo
+    if entries > 1 and int(torch.unique(entry_seq).numel()) < entries:
+        mat_start = torch.cumsum(kv_len, 0) - kv_len
+        mat_rows = int(kv_len.sum())
+        kv_source = torch.arange(mat_rows) - torch.repeat_interleave(mat_start - k_start, kv_len)
+        return True, mat_start, mat_rows, kv_source
+    return False, k_start, keys.count, None
+
+
+def _slot_copies(plan, keys: CompactKeys, kv_source: Optional[torch.Tensor]) -> torch.Tensor:
+    """int64 ``[copies, slots]``: row ``j`` names the backward buffer row of each all-gather
+    slot's ``j``-th key copy (-1: none); a slot's gradient is the sum of its copies."""
+    key_of_row = torch.arange(keys.count) if kv_source is None else kv_source
+    by_key = ascending_order(key_of_row)
+    sorted_keys = key_of_row[by_key]
+    copy = torch.arange(sorted_keys.numel()) - _run_starts(sorted_keys)
+    copies = int(copy.max()) + 1 if copy.numel() else 1
+    slot_copies = torch.full((copies, plan.cp_size * plan.max_count), -1, dtype=torch.int64)
+    slot_copies[copy, keys.slots[sorted_keys]] = by_key
+    return slot_copies
+
+
+def _keys_covered(keys: CompactKeys, k_start, kv_len) -> bool:
+    """Without copies, whether every compact key is attended by some entry: a key past this
+    rank's last row of its sequence is not, so its gradient row must start at zero instead of
+    being written."""
+    if not kv_len.numel():
+        return False
+    seq_end = _run_ends(keys.sequence)
+    ends = torch.zeros(keys.count, dtype=torch.int64)
+    ends[k_start] = k_start + kv_len
+    return bool(torch.equal(torch.cummax(ends, 0).values, seq_end))

@@ -1,0 +1,1 @@
+"""The output head: ForwardOutput, the vocab-parallel log-probs / top-k head and its kernels."""

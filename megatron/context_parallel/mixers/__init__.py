@@ -1,0 +1,1 @@
+"""Sequence mixers other than attention under any CP plan (Gated DeltaNet)."""

@@ -1,0 +1,1 @@
+"""megatron-core integration: batch preparation and the forward of GPTModel / HybridModel."""

@@ -1,0 +1,470 @@
+"""The fused attention path's run tables on the CPU, with a dense stand-in for the kernel.
+
+``ReferenceKernel`` (tests/_attention_ref.py) computes each entry as the cuDNN kernel does, so these
+tests check everything of the fused path except cuDNN itself (tests/attention/test_fused_cuda.py
+does that on a GPU): the decomposition into bottom-right causal entries, dummy rows, the query span
+buffer, the backward's key copies and the sum of their gradients, compact keys when some positions
+are owned by nobody, empty ranks, and the reduce-scatter of dK / dV over a CP group. The oracle
+(``oracle_attention``) is written from source positions alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _attention_ref import ReferenceKernel, SharedKeysReferenceKernel, oracle_attention
+from _dist import run_distributed
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron.context_parallel import ContextParallelPlan, _extension
+from megatron.context_parallel.attention import cudnn
+from megatron.context_parallel.attention import runs as attention_runs
+from megatron.context_parallel.attention.blocks import (
+    AttentionBlocks,
+    build_attention_tables,
+    choose_layout,
+)
+from megatron.context_parallel.attention.fused import fused_attention
+from megatron.context_parallel.attention.kernel import AttentionKernel
+from megatron.context_parallel.attention.runs import AttentionRuns, _bucket
+from megatron.context_parallel.attention.settings import (
+    AttentionSettings,
+    attention_settings,
+    current_attention_settings,
+)
+from megatron.context_parallel.comm.mappings import gather_padded_from_context_parallel_region
+
+
+def _sequence(seq_len, cu):
+    if cu is None:
+        return torch.zeros(seq_len, dtype=torch.int64)
+    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+
+def _runs(plan, rank, cu=None, **kw):
+    padding = 1 if plan.counts[rank] == 0 else 0
+    return AttentionRuns.build(plan, rank, _sequence(plan.seq_len, cu), padding_rows=padding, **kw)
+
+
+def _slots(full, plan):
+    """The padded all-gather buffer of ``full`` [S, ...] built from the plan's positions."""
+    out = full.new_zeros((plan.cp_size * plan.max_count,) + tuple(full.shape[1:]))
+    for r in range(plan.cp_size):
+        pos = plan.local_positions(r)
+        out[r * plan.max_count : r * plan.max_count + pos.numel()] = full[pos]
+    return out
+
+
+def _check_rank(
+    plan, rank, cu, heads, groups, dim, seed, merge_gap=64, kernel=ReferenceKernel, tables=None
+):
+    g = torch.Generator().manual_seed(seed)
+    seq_len = plan.seq_len
+    q_full = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
+    kv_full = torch.randn(seq_len, groups, 2 * dim, generator=g, dtype=torch.float64)
+    weight = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
+    runs = (
+        tables
+        if tables is not None
+        else (_runs(plan, rank, cu, merge_gap=merge_gap, longest_first=seed % 2 == 1))
+    )
+    pos = plan.local_positions(rank)
+    sequence = _sequence(seq_len, cu)
+    owned = plan.owned_mask()
+    scale = dim**-0.5
+
+    query = q_full[pos].clone()
+    if runs.rows > pos.numel():
+        query = torch.cat([query, torch.randn(1, heads, dim, generator=g, dtype=query.dtype)])
+    query.requires_grad_()
+    kv_slots = _slots(kv_full, plan).requires_grad_()
+    out = fused_attention(query, kv_slots, runs, scale, kernel=kernel)
+    w = weight[pos]
+    if runs.rows > pos.numel():
+        w = torch.cat([w, torch.ones(1, heads, dim, dtype=w.dtype)])
+    (out * w).sum().backward()
+
+    q_ref = q_full[pos].clone().requires_grad_()
+    kv_ref = kv_full.clone().requires_grad_()
+    expected = oracle_attention(
+        q_ref, kv_ref[..., :dim], kv_ref[..., dim:], pos, sequence, owned, scale
+    )
+    (expected * weight[pos]).sum().backward()
+
+    n = pos.numel()
+    torch.testing.assert_close(out[:n], expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(query.grad[:n], q_ref.grad, rtol=1e-10, atol=1e-10)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))  # an empty rank's padding row
+    assert torch.equal(query.grad[n:], torch.zeros_like(query.grad[n:]))
+    torch.testing.assert_close(kv_slots.grad, _slots(kv_ref.grad, plan), rtol=1e-10, atol=1e-10)
+    return runs
+
+
+def _drawn_plan(seed, cp, seq_len, packed, unowned):
+    """A random plan (and cu_seqlens when ``packed``) from the test's drawn numbers."""
+    torch.manual_seed(seed)
+    cu = None
+    if packed:
+        cuts = sorted(torch.randint(0, seq_len + 1, (3,)).tolist())
+        cu = tuple([0] + cuts + [seq_len])
+    probs = torch.tensor([(1 - unowned) / cp] * cp + [unowned])
+    plan = _random_plan(
+        lambda n: torch.multinomial(probs, n, replacement=True) if n else torch.zeros(0).long(),
+        seq_len,
+        cp,
+        unowned,
+        cu,
+    )
+    return plan, cu
+
+
+def _random_plan(draw_ints, seq_len, cp, unowned, cu):
+    """Every position to a random rank (or to nobody with probability ``unowned``), each rank's
+    rows in a random order."""
+    owner = draw_ints(seq_len)
+    ranks = []
+    for r in range(cp):
+        pos = torch.nonzero(owner == r).flatten()
+        ranks.append(pos[torch.randperm(pos.numel())])
+    if unowned == 0 and all(p.numel() == 0 for p in ranks):
+        ranks[0] = torch.arange(seq_len)
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len, cu)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(1, 48),
+    packed=st.booleans(),
+    unowned=st.sampled_from([0.0, 0.2]),
+    gqa=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
+    merge_gap=st.sampled_from([1, 3, 64]),
+)
+def test_random_plans_match_the_oracle(seed, cp, seq_len, packed, unowned, gqa, merge_gap):
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    for rank in range(cp):
+        _check_rank(plan, rank, cu, gqa[0], gqa[1], 4, seed + rank, merge_gap)
+
+
+@pytest.mark.parametrize(
+    "plan_kind", ["zigzag", "contiguous", "thd", "uneven", "single_rows", "empty_rank"]
+)
+def test_named_plans_match_the_oracle(plan_kind):
+    cu = None
+    if plan_kind == "zigzag":
+        plan = ContextParallelPlan.zigzag(32, 2)
+    elif plan_kind == "contiguous":
+        plan = ContextParallelPlan.contiguous(30, 4)
+    elif plan_kind == "thd":
+        cu = (0, 8, 8, 24, 40)
+        plan = ContextParallelPlan.thd(torch.tensor(cu), 2)
+    elif plan_kind == "uneven":
+        plan = ContextParallelPlan.from_rank_positions(
+            [list(range(0, 9)) + list(range(20, 27)) + [33], list(range(9, 20)) + [27, 28]],
+            34,
+        )
+    elif plan_kind == "single_rows":
+        plan = ContextParallelPlan.from_rank_positions([list(range(0, 40, 2)), [1, 3, 7]], 40)
+    else:
+        plan = ContextParallelPlan.from_rank_positions([list(range(12)), []], 12)
+    for rank in range(plan.cp_size):
+        for kernel in (ReferenceKernel, SharedKeysReferenceKernel):
+            _check_rank(plan, rank, cu, 4, 2, 8, rank, kernel=kernel)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 3),
+    seq_len=st.integers(1, 60),
+    packed=st.booleans(),
+    unowned=st.sampled_from([0.0, 0.2]),
+    group_rows=st.sampled_from([1, 2, 3, 5]),
+    span_budget=st.sampled_from([1, 7, 10**6]),
+    shared=st.booleans(),
+)
+def test_blocked_layout_matches_the_oracle(
+    seed, cp, seq_len, packed, unowned, group_rows, span_budget, shared
+):
+    """Groups, diagonal spans in several calls, the backward's levels and their fp32 sums, on
+    random plans (small groups make many levels)."""
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    kernel = SharedKeysReferenceKernel if shared else ReferenceKernel
+    for rank in range(cp):
+        if plan.counts[rank] == 0:
+            with pytest.raises(ValueError, match="owns no positions"):
+                AttentionBlocks.build(plan, rank, _sequence(seq_len, cu))
+            continue
+        blocks = AttentionBlocks.build(
+            plan, rank, _sequence(seq_len, cu), group_rows=group_rows, span_budget=span_budget
+        )
+        _check_rank(plan, rank, cu, 4, 2, 4, seed + rank, kernel=kernel, tables=blocks)
+
+
+def test_blocked_tables_and_the_layout_choice():
+    seq_len = 4096
+    # Rank 0: a random half of the positions, position 1 among them (rank 1 holds 0).
+    perm = torch.randperm(seq_len - 2) + 2
+    mine = torch.cat([torch.tensor([1]), perm[: seq_len // 2 - 1]])
+    theirs = torch.cat([torch.tensor([0]), perm[seq_len // 2 - 1 :]])
+    half = ContextParallelPlan.from_rank_positions([mine, theirs], seq_len)
+    seq = torch.zeros(seq_len, dtype=torch.int64)
+    blocks = AttentionBlocks.build(half, 0, seq)
+    assert blocks.groups == seq_len // 2 // 128 and len(blocks.diagonal) == 1
+    assert blocks.order is not None  # rows in random order: sorted through a gather
+    # 16 groups: the pieces j == i, then levels of 8, 4, 2 and 1 entries.
+    assert [c.entries for c in blocks.levels] == [16, 8, 4, 2, 1]
+    # Every level's entries share neither query rows nor keys.
+    for call in blocks.levels:
+        assert call.kv_source.unique().numel() == call.mat_rows
+    assert choose_layout(_runs(half, 0), blocks) == "blocks"
+    zig = ContextParallelPlan.zigzag(seq_len, 2)
+    assert choose_layout(_runs(zig, 0), AttentionBlocks.build(zig, 0, seq)) == "runs"
+
+
+@pytest.mark.parametrize("plan_kind", ["zigzag", "random half"])
+def test_tables_are_built_on_one_intra_op_thread(monkeypatch, plan_kind):
+    """Every host op of a batch's tables (the C++ builders' fills, the packing and the copy) runs
+    on the calling thread alone, and the thread count comes back, also when a build raises."""
+    seq_len = 4096
+    if plan_kind == "zigzag":
+        plan = ContextParallelPlan.zigzag(seq_len, 2)
+    else:
+        perm = torch.randperm(seq_len, generator=torch.Generator().manual_seed(0))
+        plan = ContextParallelPlan.from_rank_positions(
+            [perm[: seq_len // 2], perm[seq_len // 2 :]], seq_len
+        )
+    seq = torch.zeros(seq_len, dtype=torch.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        real = _extension.host_tables
+
+        def spy():
+            seen.append(torch.get_num_threads())
+            return real()
+
+        monkeypatch.setattr(_extension, "host_tables", spy)
+        tables = build_attention_tables(plan, 0, seq)
+        assert type(tables).__name__ == (
+            "AttentionRuns" if plan_kind == "zigzag" else "AttentionBlocks"
+        )
+        tables.on("cpu")
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        seen.clear()
+        with attention_settings(serial_host_ops=False):
+            build_attention_tables(plan, 0, seq)
+        assert seen and set(seen) == {2}
+
+        def broken():
+            raise RuntimeError("builder failed")
+
+        monkeypatch.setattr(_extension, "host_tables", broken)
+        with pytest.raises(RuntimeError, match="builder failed"):
+            build_attention_tables(plan, 0, seq)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_tables_of_the_report_layouts():
+    zig = _runs(ContextParallelPlan.zigzag(512, 2), 0)
+    assert zig.identity and zig.entries == 2 and zig.materialize
+    # Longest entry first: the second run (keys 0 .. 511) before the first (keys 0 .. 127).
+    assert zig.q_len.tolist() == [128, 128] and zig.kv_len.tolist() == [512, 128]
+    assert zig.q_start.tolist() == [128, 0]
+    assert zig.mat_rows == 640 and zig.compact_slots is not None
+    # Closer than the merge gap, the two runs become one span (the middle as dummies).
+    small = _runs(ContextParallelPlan.zigzag(64, 2), 0)
+    assert not small.identity and small.entries == 1 and small.query_rows == 64
+
+    last = _runs(ContextParallelPlan.contiguous(40, 4), 3)
+    assert last.identity and last.entries == 1 and not last.materialize and last.keys_covered
+    first = _runs(ContextParallelPlan.contiguous(40, 4), 0)
+    assert not first.keys_covered  # keys 10..39 are attended by other ranks only
+    assert ContextParallelPlan.contiguous(40, 4).slots_in_source_order
+    assert first.compact_slots is None
+
+    cu = (0, 256, 768, 1280)
+    thd = _runs(ContextParallelPlan.thd(torch.tensor(cu), 2), 0, cu)
+    assert thd.identity and thd.entries == 6 and thd.materialize
+    # Rank 1 holds the two middle chunks of each sequence: one run each, keys not copied.
+    middle = _runs(ContextParallelPlan.thd(torch.tensor(cu), 2), 1, cu)
+    assert middle.identity and middle.entries == 3 and not middle.materialize
+
+    # Alternating single positions: one span of dummies rather than 32 one-row entries.
+    halves = ContextParallelPlan.from_rank_positions(
+        [list(range(0, 64, 2)), list(range(1, 64, 2))], 64
+    )
+    half = _runs(halves, 0)
+    assert not half.identity and half.entries == 1 and half.query_rows == 63
+    singles = _runs(halves, 0, merge_gap=1)
+    assert singles.entries == 32 and singles.identity and singles.materialize
+    # Positions nobody owns have no keys: the even rows alone are one run of compact keys.
+    alone = _runs(ContextParallelPlan.from_rank_positions([list(range(0, 64, 2))], 64), 0)
+    assert alone.identity and alone.entries == 1 and alone.num_keys == 32
+
+    # Permuted rows of one rank: runs by position, gathered into a span buffer.
+    perm = _runs(ContextParallelPlan.from_rank_positions([torch.randperm(50)], 50), 0)
+    assert not perm.identity and perm.entries == 1 and perm.query_rows == 50
+
+    empty = _runs(ContextParallelPlan.from_rank_positions([list(range(5)), []], 5), 1)
+    assert empty.entries == 0 and empty.rows == 1 and empty.identity
+
+
+def test_buckets_bound_the_number_of_kernel_shapes():
+    assert [_bucket(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
+    sizes = {_bucket(n, per_octave=8) for n in range(1000, 2001)}
+    assert len(sizes) <= 9 and all(s >= 1000 for s in sizes)
+    assert all(_bucket(n, 8) < 1.13 * n for n in range(64, 5000))
+
+
+def test_shape_reuse_takes_the_least_larger_recorded_shape():
+    shared = attention_runs._shared_shape
+    with attention_runs.kernel_shapes() as shapes:
+        with attention_settings(shape_reuse=1.0):
+            assert shared(4, 1000, 3000) == (4, 1000, 3000)
+            assert shared(4, 900, 2900) == (4, 900, 2900)  # off: every shape its own
+        with attention_settings(shape_reuse=1.25):
+            assert shared(4, 850, 2600) == (4, 900, 2900)  # the smaller of the two covering it
+            assert shared(2, 850, 2600) == (2, 850, 2600)  # entries beyond 1.25x: recorded
+            assert shared(1, 850, 2600) == (1, 850, 2600)
+            assert shared(4, 700, 2600) == (4, 700, 2600)  # rows beyond 1.25x: recorded
+            assert shared(8, 900, 2900) == (8, 900, 2900)  # a larger batch is never cut
+        assert attention_runs.recorded_shapes() == shapes.recorded() == {
+            (4, 1000, 3000), (4, 900, 2900), (2, 850, 2600), (1, 850, 2600), (4, 700, 2600),
+            (8, 900, 2900),
+        }  # fmt: skip
+        # A shape once chosen stays: with (4, 860, 2610) recorded since, which would cover
+        # (4, 850, 2600) with less padding, that shape keeps (4, 900, 2900), whose graphs it ran
+        # on.
+        with attention_settings(shape_reuse=1.0):
+            assert shared(4, 860, 2610) == (4, 860, 2610)
+        with attention_settings(shape_reuse=1.25):
+            assert shared(4, 850, 2600) == (4, 900, 2900)
+            assert shared(4, 855, 2600) == (4, 860, 2610)  # a new one takes the least padded
+    assert (4, 855, 2600) not in attention_runs.recorded_shapes()  # the process's record is back
+
+
+def test_kernels_meet_the_kernel_protocol():
+    for kernel in (ReferenceKernel(), SharedKeysReferenceKernel(), cudnn.KERNEL):
+        assert isinstance(kernel, AttentionKernel), kernel
+    assert cudnn.KERNEL.shared_keys_in_backward
+    copies = cudnn.CudnnKernel(cudnn.CudnnOptions(shared_keys_in_backward=False))
+    assert not copies.shared_keys_in_backward and cudnn.KERNEL.shared_keys_in_backward
+    assert not ReferenceKernel().shared_keys_in_backward
+    assert not isinstance(object(), AttentionKernel)
+
+
+def test_attention_settings_are_scoped_and_checked():
+    before = current_attention_settings()
+    with attention_settings(backend="dense", shape_reuse=1.5) as inside:
+        assert current_attention_settings() is inside
+        assert inside.backend == "dense" and inside.shape_reuse == 1.5
+        assert inside.shape_buckets == before.shape_buckets
+    assert current_attention_settings() == before
+    for bad in (dict(backend="flash"), dict(shape_reuse=0.5), dict(shape_buckets=0)):
+        with pytest.raises(ValueError):
+            with attention_settings(**bad):
+                pass
+        assert current_attention_settings() == before
+    with pytest.raises(TypeError):
+        with attention_settings(shape_reuse_factor=2.0):
+            pass
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.backend = "dense"
+
+
+def test_shape_reuse_bounds_the_shapes_of_random_plans():
+    """Over random uneven plans the recorded shapes (one set of kernel graphs each) stop growing
+    under the default policy (powers of two, reuse within 2x), unlike fine sizes without reuse,
+    and every batch's tables cover its entries."""
+    counts = {}
+    default = AttentionSettings()
+    for buckets, reuse in ((16, 1.0), (default.shape_buckets, default.shape_reuse)):
+        policy = attention_settings(shape_buckets=buckets, shape_reuse=reuse)
+        with policy, attention_runs.kernel_shapes() as shapes:
+            g = torch.Generator().manual_seed(0)
+            growth = []
+            for _i in range(120):
+                owner = torch.randint(0, 2, (4000 // 97,), generator=g).repeat_interleave(97)
+                rows = torch.nonzero(owner == 0).flatten()
+                plan = ContextParallelPlan.from_rank_positions(
+                    [rows, torch.nonzero(owner == 1).flatten()], owner.numel()
+                )
+                if rows.numel() == 0:
+                    continue
+                runs = _runs(plan, 0, merge_gap=1)
+                assert runs.entries <= runs.batch <= reuse * _bucket(runs.entries)
+                assert int(runs.q_len.max()) <= runs.max_q
+                assert int(runs.kv_len.max()) <= runs.max_kv
+                growth.append(len(shapes.recorded()))
+        counts[buckets] = growth
+    fine, default = counts[16], counts[default.shape_buckets]
+    assert default[-1] < fine[-1] / 2
+    assert default[-1] == default[len(default) // 2]  # none in the second half
+
+
+def _w_gathered(rank, world, seed):
+    """CP ``world``: the padded all-gather, compact keys, fused path and reduce-scatter against
+    the oracle summed over every rank's queries."""
+    torch.manual_seed(seed)
+    seq_len, heads, groups, dim = 37, 4, 2, 8
+    owner = torch.randint(0, world, (seq_len,), generator=torch.Generator().manual_seed(seed))
+    plan = ContextParallelPlan.from_rank_positions(
+        [torch.nonzero(owner == r).flatten().flip(0) for r in range(world)], seq_len
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    q_full = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
+    kv_full = torch.randn(seq_len, groups, 2 * dim, generator=g, dtype=torch.float64)
+    weight = torch.randn(seq_len, heads, dim, generator=g, dtype=torch.float64)
+    runs = _runs(plan, rank)
+    pos = plan.local_positions(rank)
+    query = q_full[pos].clone().requires_grad_()
+    kv_local = kv_full[pos].clone().requires_grad_()
+    group = torch.distributed.group.WORLD
+    slots = gather_padded_from_context_parallel_region(kv_local, plan.max_count, group)
+    out = fused_attention(query, slots, runs, dim**-0.5, kernel=ReferenceKernel)
+    (out * weight[pos]).sum().backward()
+
+    q_ref = q_full.clone().requires_grad_()
+    kv_ref = kv_full.clone().requires_grad_()
+    owned = plan.owned_mask()
+    everyone = torch.arange(seq_len)
+    sequence = torch.zeros(seq_len, dtype=torch.int64)
+    expected = oracle_attention(
+        q_ref, kv_ref[..., :dim], kv_ref[..., dim:], everyone, sequence, owned, dim**-0.5
+    )
+    (expected * weight).sum().backward()
+    torch.testing.assert_close(out, expected[pos], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(query.grad, q_ref.grad[pos], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kv_local.grad, kv_ref.grad[pos], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_over_a_cp_group_matches_the_oracle(world):
+    run_distributed(_w_gathered, world, 5)
+
+
+def test_backward_graphs_are_sized_for_the_largest_totals_so_far(monkeypatch):
+    """A new backward graph is built for the process's largest row totals so far (raised to the
+    call's), so later batches of larger totals fit it; a recorded graph that holds a call serves
+    it."""
+    from megatron.context_parallel.attention import cudnn as kernel
+
+    monkeypatch.setattr(kernel, "_TOTALS", {})
+    monkeypatch.setattr(kernel, "_LARGEST_TOTALS", [0, 0])
+    assert kernel.backward_totals("a", 100, 200) == ((100, 200), True)
+    assert kernel.backward_totals("a", 90, 150) == ((100, 200), False)
+    assert kernel.backward_totals("b", 50, 300) == ((100, 300), True)
+    assert kernel.backward_totals("b", 100, 10) == ((100, 300), False)
+    assert kernel.backward_totals("a", 100, 250) == ((100, 300), True)  # a's first is too small
+    assert kernel.backward_totals("a", 60, 220) == ((100, 300), False)
+    assert kernel.backward_totals("a", 60, 180) == ((100, 200), False)  # the smallest that holds

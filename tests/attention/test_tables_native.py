@@ -1,0 +1,196 @@
+"""The C++ builders of the attention tables (csrc/host/) against the torch-op reference.
+
+``attention_runs`` and ``attention_blocks`` define every table by torch ops; the package
+builds them in C++ where ``megatron.context_parallel._host`` is built (every install with torch,
+CI included). Each test builds the same batch both ways and asks for equal tables: every
+attribute, and every per-call device table, with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attention.test_runs import _drawn_plan, _sequence
+from megatron.context_parallel import ContextParallelPlan, _extension
+from megatron.context_parallel.attention.blocks import (
+    AttentionBlocks,
+    _tile_cost,
+    build_attention_tables,
+)
+from megatron.context_parallel.attention.runs import AttentionRuns, CompactKeys
+
+OPS = _extension.host_tables()
+
+
+def test_the_builders_are_built():
+    # A development or CI install builds them with the package (setup.py); without them every
+    # comparison below would be skipped, so their absence fails here once.
+    assert OPS is not None, f"megatron.context_parallel._host: {_extension._host_state}"
+
+
+def _both(monkeypatch, build, *args, **kwargs):
+    """``build(*args, **kwargs)`` with the C++ builders, then with the torch reference."""
+    native = build(*args, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(_extension, "host_tables", lambda: None)
+        reference = build(*args, **kwargs)
+    return native, reference
+
+
+def _assert_same(a, b, where):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{where}: {a} != {b}"
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (AttentionRuns, AttentionBlocks)):
+        _assert_same(_fields(a), _fields(b), where)
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _fields(tables):
+    out = {k: v for k, v in vars(tables).items() if k not in ("_device", "plan")}
+    if isinstance(tables, AttentionRuns):
+        out["device"] = tables._host_tables()
+    return out
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(1, 80),
+    packed=st.booleans(),
+    unowned=st.sampled_from([0.0, 0.2]),
+    merge_gap=st.sampled_from([1, 3, 64]),
+    longest_first=st.booleans(),
+)
+def test_run_tables_equal_the_reference(
+    seed, cp, seq_len, packed, unowned, merge_gap, longest_first
+):
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    sequence = _sequence(seq_len, cu)
+    with pytest.MonkeyPatch.context() as mp:
+        keys = _both(mp, CompactKeys, plan, sequence)
+        _assert_same(vars(keys[0]), vars(keys[1]), "keys")
+        for rank in range(cp):
+            padding = 1 if plan.counts[rank] == 0 else 0
+            native, reference = _both(
+                mp, AttentionRuns.build, plan, rank, sequence, padding_rows=padding,
+                merge_gap=merge_gap, longest_first=longest_first,
+            )  # fmt: skip
+            _assert_same(native, reference, f"rank {rank}")
+            chosen = _both(mp, build_attention_tables, plan, rank, sequence)
+            _assert_same(chosen[0], chosen[1], f"chosen, rank {rank}")
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 3),
+    seq_len=st.integers(1, 90),
+    packed=st.booleans(),
+    unowned=st.sampled_from([0.0, 0.2]),
+    group_rows=st.sampled_from([1, 2, 3, 5, 128]),
+    span_budget=st.sampled_from([1, 7, 10**6]),
+)
+def test_block_tables_equal_the_reference(
+    seed, cp, seq_len, packed, unowned, group_rows, span_budget
+):
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    sequence = _sequence(seq_len, cu)
+    with pytest.MonkeyPatch.context() as mp:
+        for rank in range(cp):
+            if plan.counts[rank] == 0:
+                continue
+            native, reference = _both(
+                mp, AttentionBlocks.build, plan, rank, sequence, group_rows=group_rows,
+                span_budget=span_budget,
+            )  # fmt: skip
+            _assert_same(native, reference, f"rank {rank}")
+            for i, (a, b) in enumerate(zip(native.calls(), reference.calls())):
+                _assert_same(a._host_tables(), b._host_tables(), f"rank {rank} call {i}")
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ContextParallelPlan.zigzag(4096, 2),
+        ContextParallelPlan.contiguous(4096, 4),
+        ContextParallelPlan.thd(torch.tensor([0, 512, 1536, 4096]), 2),
+    ],
+    ids=["zigzag", "contiguous", "thd"],
+)
+def test_named_plans_equal_the_reference(plan, monkeypatch):
+    sequence = _sequence(plan.seq_len, plan.cu_seqlens)
+    for rank in range(plan.cp_size):
+        native, reference = _both(monkeypatch, AttentionRuns.build, plan, rank, sequence)
+        _assert_same(native, reference, f"rank {rank}")
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
+def test_bad_inputs_raise_naming_the_table():
+    source = torch.tensor([0, 1, -1, 2])
+    with pytest.raises(RuntimeError, match="compact_keys: 4 positions but 3 sequence ids"):
+        OPS.compact_keys(source, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="compact_keys: row_source: expected int64"):
+        OPS.compact_keys(source.int(), torch.zeros(4, dtype=torch.int64))
+    keys = OPS.compact_keys(source, torch.zeros(4, dtype=torch.int64))
+    unowned = torch.tensor([1, 2])  # nobody owns position 2: it maps to position 1's key
+    with pytest.raises(RuntimeError, match="position 2 is not an owned position"):
+        OPS.run_tables(unowned, keys[1], torch.zeros(4, dtype=torch.int64), keys[0], keys[2],
+                       keys[3], 0, 64, True, 4, True)  # fmt: skip
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
+@settings(max_examples=60, deadline=None)
+@given(
+    entries=st.lists(st.tuples(st.integers(1, 700), st.integers(0, 900)), max_size=12),
+    causal=st.booleans(),
+    tile=st.sampled_from([1, 64, 128]),
+)
+def test_tile_cost_equals_the_reference(entries, causal, tile):
+    q_len = torch.tensor([q for q, _ in entries], dtype=torch.int64)
+    kv_len = q_len + torch.tensor([extra for _, extra in entries], dtype=torch.int64)
+    with pytest.MonkeyPatch.context() as mp:
+        native, reference = _both(mp, _tile_cost, q_len, kv_len, causal, tile)
+    assert native == reference
+
+
+def test_device_tables_are_the_host_tables_in_one_copy():
+    # ``on`` moves every call's tables in one packed copy; the kernel's lengths arrive as
+    # int32 [batch, 1, 1, 1], everything else as the host's int64 tables.
+    plan, cu = _drawn_plan(7, 2, 300, True, 0.1)
+    sequence = _sequence(plan.seq_len, cu)
+    blocks = AttentionBlocks.build(plan, 0, sequence, group_rows=4, span_budget=40)
+    runs = AttentionRuns.build(plan, 1, sequence)
+    for call in blocks.calls() + [runs]:
+        host, dev = call._host_tables(), call.on("cpu")
+        for name, value in host.items():
+            moved = getattr(dev, name)
+            if value is None:
+                assert moved is None, name
+            elif name in ("seq_len_q", "seq_len_kv"):
+                assert moved.dtype == torch.int32 and moved.shape == (call.batch, 1, 1, 1)
+                assert torch.equal(moved.flatten().long(), value), name
+            else:
+                assert moved.dtype == torch.int64 and torch.equal(moved, value), name
+    dev = blocks.on("cpu")
+    assert len(blocks.levels) > 1 and len(blocks.diagonal) > 1
+    for moved, host in zip(dev.touched, blocks.touched):
+        assert torch.equal(moved, host)
+    if blocks.has_bulk is not None:
+        assert torch.equal(dev.has_bulk.flatten(), blocks.has_bulk)
