@@ -210,7 +210,7 @@ def launch(fn: Callable[[argparse.Namespace, torch.device], None], args) -> int:
     if not cuda:
         # Import megatron-core once here; the forked ranks inherit it instead of each paying
         # for the import on shared cores.
-        import megatron.context_parallel.model  # noqa: F401
+        import megatron.context_parallel.models.forward  # noqa: F401
     ctx = multiprocessing.get_context("spawn" if cuda else "fork")
     errors = ctx.Queue()
     port = _free_port()
@@ -309,13 +309,13 @@ def build_gpt(args, device: torch.device, max_seq_len: int):
 
     Weights are made on the CPU from the seeded CPU generator (``use_cpu_initialization``), so
     every rank and every CP size gets the same model, then moved to ``device``. The layers use
-    ``ContextParallelAttention`` (any plan, plain torch), so no TransformerEngine is needed.
+    ``ContextParallelAttention`` (any plan; dense on CPU), so no TransformerEngine is needed.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.context_parallel.attention import get_gpt_layer_with_context_parallel_spec
+    from megatron.context_parallel.attention.layers import get_gpt_layer_with_context_parallel_spec
 
     config = TransformerConfig(
         num_layers=args.layers,

@@ -29,7 +29,7 @@ import _common as common
 import torch
 import torch.distributed as dist
 
-from megatron.context_parallel.plan import ContextParallelPlan
+from megatron.context_parallel.comm.plan import ContextParallelPlan
 
 FIELDS = ("hidden_states", "target_logprobs", "top_k", "logits")
 PROMPT = 8  # leading positions of each sequence without a target (label -100), as in a chat
@@ -102,7 +102,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def probe(args, device: torch.device) -> None:
     from megatron.core import parallel_state as ps
 
-    from megatron.context_parallel.model import context_parallel_forward
+    from megatron.context_parallel.models.forward import context_parallel_forward
 
     seq_lens = common.resolve_size(args, device)
     world = dist.get_world_size()
@@ -205,7 +205,7 @@ def report(rows, atol: float, seq_len: int) -> bool:
         common.say(f"note: {swaps} top-k id(s) differ from CP 1 between near-equal logits")
     cps = ", ".join(str(c) for c in sorted({r["cp"] for r in rows}))
     common.say(
-        f"seed probe: output.hidden_states[1:][mask] with a full-sequence mask "
+        f"report probe: output.hidden_states[1:][mask] with a full-sequence mask "
         f"[{seq_len - 1}] -> {' / '.join(str(s) for s in sorted(shapes))} at CP {cps}: "
         f"{'passed' if probe_ok else 'FAILED'}"
     )

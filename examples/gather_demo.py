@@ -3,7 +3,7 @@
 Run on a CPU: ``python examples/gather_demo.py [--cp 3] [--seq-len 20]``. The script spawns the
 ranks itself. Each rank holds the rows an uneven, shuffled plan gives it (one rank holds none),
 gathers hidden states, per-token log-probs and a padding mask in ONE collective, and checks the
-result against the full tensors it started from. The seed's probe, ``hidden[1:][mask]`` with a
+result against the full tensors it started from. The bug report's probe, ``hidden[1:][mask]`` with a
 full-sequence mask, then works as it does on one GPU.
 """
 

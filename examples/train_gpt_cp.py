@@ -66,7 +66,7 @@ def synthetic_batch(seq_lens, vocab: int, seed: int, step: int, replica: int, de
 
 def token_loss(model, ids, labels, cu) -> torch.Tensor:
     """Mean negative log-likelihood over the positions with a target (full sequence, any CP)."""
-    from megatron.context_parallel.model import context_parallel_forward
+    from megatron.context_parallel.models.forward import context_parallel_forward
 
     out = context_parallel_forward(model, ids, labels, cu_seqlens=cu, fields="target_logprobs")
     valid = labels != -100
