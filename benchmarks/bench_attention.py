@@ -13,7 +13,7 @@ groups, head dim 128), side by side in one run:
 * ``flex``: FlexAttention (torch's Triton backend, default blocks) with a block mask built from
   the plan (rows sorted by position, keys in compact order), compiled once per case.
 
-Reported: median ms (CUDA events, methods timed in turns by ``bench_head.time_round_robin``),
+Reported: median ms (CUDA events, methods timed in turns by ``timing.time_round_robin``),
 ratio to the floor, extra peak memory (``max_memory_allocated`` during the call minus what was
 allocated before it, minus the output and, for forward+backward, the gradients of Q and K/V),
 the max error against the dense fp32 computation on a slice of rows, the run tables' build
@@ -31,9 +31,26 @@ first attention; what the step does not hide shows here).
 builders (``megatron.context_parallel._host``) and by the torch-op reference in turns, each
 including the copy to the device: the host cost a micro-batch pays before its first layer.
 
+Named cases (``--named`` runs them all at every size; ``--cases`` picks any case, default or
+named, by a part of its name, e.g. ``--cases packed_cut,block_shuffled_64``), plans built
+independently of the tables' tuning (issue 44), each the heaviest rank's rows (the most visible
+query-key pairs), seeds fixed: ``zigzag_cp2``; ``packed_cut_1seq_cp4`` (one sequence cut at 11
+random points, the pieces dealt to CP 4 in turn); ``packed_cut_13seq_cp4`` (13 packed sequences
+of random lengths, cut at 11 random points unrelated to their boundaries, dealt to CP 4);
+``thd_13seq_cp2`` (THD of 13 random lengths, CP 2); ``block_shuffled_64_cp4`` (64-row blocks in
+a random order dealt to CP 4); ``random_rows_cp2`` (every row dealt at random over CP 2).
+
+``--tree`` adds the GRPO trees (``--tree-batches``, default prompt 4,096 + 8 x 1,024 and prompt
+16,384 + 16 x 512) at CP 1: every row, the tables ``ContextParallelParams.for_plan(plan, None,
+device, tree=tree).runs`` (``TreeTables``; their time includes ``for_plan``), the floor cuDNN's
+causal SDPA over one sequence of the tree's length per visible pair, times the tree's visible
+pairs.
+
 Usage: python benchmarks/bench_attention.py [--sizes 20436,131072] [--reps 5] [--no-flex]
                                             [--model [--model-reps 8]] [--out DIR]
-       python benchmarks/bench_attention.py --tables-only [--sizes ...] [--reps 20]
+       python benchmarks/bench_attention.py --named [--tree] [--cases NAME,...] [--no-flex]
+       python benchmarks/bench_attention.py --tables-only [--sizes ...] [--reps 20] [--named]
+                                            [--tree]
 """
 
 from __future__ import annotations
@@ -43,7 +60,6 @@ import json
 import os
 import pathlib
 import random
-import statistics
 import sys
 import time
 
@@ -52,18 +68,18 @@ import torch
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
-from bench_head import time_ms, time_round_robin  # noqa: E402
+from timing import GiB, extra_peak_bytes, samples_ms, time_ms, time_round_robin  # noqa: E402
 
-from megatron.context_parallel import ContextParallelPlan, _attention_cudnn  # noqa: E402
-from megatron.context_parallel.attention_blocks import (  # noqa: E402
+from megatron.context_parallel import ContextParallelPlan  # noqa: E402
+from megatron.context_parallel.attention import cudnn as _attention_cudnn  # noqa: E402
+from megatron.context_parallel.attention.blocks import (  # noqa: E402
     AttentionBlocks,
     build_attention_tables,
 )
-from megatron.context_parallel.attention_runs import AttentionRuns  # noqa: E402
-from megatron.context_parallel.fused_attention import fused_attention  # noqa: E402
+from megatron.context_parallel.attention.fused import fused_attention  # noqa: E402
+from megatron.context_parallel.attention.runs import AttentionRuns  # noqa: E402
 
 HEADS, GROUPS, DIM = 40, 8, 128
-GiB = float(1 << 30)
 # (label, AttentionRuns.build keywords, shared keys in the backward) for --variants.
 VARIANTS = (
     ("fine", {"shape_buckets": 16}, True),
@@ -147,19 +163,137 @@ def causal_share(plan, rank, cu):
     return out
 
 
-# --- timing ----------------------------------------------------------------------------------
+# --- named cases (issue 44) and GRPO trees ---------------------------------------------------
+# Plans built independently of the tables' tuning, each at any size (``--sizes``), one rank's rows
+# (the heaviest: the most visible query-key pairs), deterministic seeds. Pieces and blocks keep
+# source order within a rank.
+
+PACKED_CUTS, PACKED_SEQUENCES, THD_SEQUENCES, SHUFFLED_BLOCK = 11, 13, 13, 64
+GRPO_TREES = "4096+8x1024,16384+16x512"  # prompt + completions x length, for --tree
+
+
+def _dealt(seq_len, bounds, cp):
+    """The pieces between ``bounds`` dealt to the ranks in turn (piece i to rank i % cp)."""
+    ranks = [[] for _ in range(cp)]
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        ranks[i % cp].append(torch.arange(a, b))
+    ranks = [torch.cat(r) if r else torch.zeros(0, dtype=torch.int64) for r in ranks]
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len)
+
+
+def _packed_cut(seq_len, sequences, cp, seed):
+    """``sequences`` packed sequences of random lengths (one: no ``cu_seqlens``), cut at
+    ``PACKED_CUTS`` random points unrelated to their boundaries, the pieces dealt to ``cp``."""
+    rng = random.Random(seed)
+    cu = None
+    if sequences > 1:
+        cu = (0, *sorted(rng.sample(range(1, seq_len), sequences - 1)), seq_len)
+    cuts = sorted(rng.sample(range(1, seq_len), PACKED_CUTS))
+    return _dealt(seq_len, [0, *cuts, seq_len], cp), cu
+
+
+def _thd_random(seq_len, sequences, cp, seed):
+    """THD (``ContextParallelPlan.thd``) of ``sequences`` random lengths, multiples of 2 cp."""
+    unit = 2 * cp
+    if seq_len % unit:
+        raise ValueError(f"THD at CP {cp} needs S divisible by {unit}, got {seq_len}")
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, seq_len // unit), sequences - 1))
+    cu = (0, *(unit * c for c in cuts), seq_len)
+    return ContextParallelPlan.thd(torch.tensor(cu), cp), cu
+
+
+def _block_shuffled(seq_len, block, cp, seed):
+    """``block``-row blocks in a random order dealt to ``cp`` in turn (rows sorted per rank)."""
+    g = torch.Generator().manual_seed(seed)
+    owner = torch.empty(-(-seq_len // block), dtype=torch.int64)
+    owner[torch.randperm(owner.numel(), generator=g)] = torch.arange(owner.numel()) % cp
+    owner = owner.repeat_interleave(block)[:seq_len]
+    ranks = [torch.nonzero(owner == r).flatten() for r in range(cp)]
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len), None
+
+
+# name -> seq_len -> (plan, cu_seqlens or None); selected by --named or --cases (substrings).
+NAMED_CASES = {
+    "zigzag_cp2": lambda s: (ContextParallelPlan.zigzag(s, 2), None),
+    "packed_cut_1seq_cp4": lambda s: _packed_cut(s, 1, 4, seed=4401),
+    "packed_cut_13seq_cp4": lambda s: _packed_cut(s, PACKED_SEQUENCES, 4, seed=4402),
+    "thd_13seq_cp2": lambda s: _thd_random(s, THD_SEQUENCES, 2, seed=4403),
+    "block_shuffled_64_cp4": lambda s: _block_shuffled(s, SHUFFLED_BLOCK, 4, seed=4404),
+    "random_rows_cp2": lambda s: (_random_share(s, 2, seed=4405), None),
+}
+
+
+def visible_pairs(plan, rank, cu):
+    """Query-key pairs rank ``rank``'s rows see: causal within each packed sequence."""
+    pos = plan.local_positions(rank)
+    starts = torch.tensor(cu[:-1]) if cu is not None else torch.zeros(1, dtype=torch.int64)
+    return int((pos - starts[_sequence(plan.seq_len, cu)[pos]] + 1).sum())
+
+
+def heaviest_rank(plan, cu):
+    """The rank with the most visible query-key pairs (the lowest such rank)."""
+    return max(range(plan.cp_size), key=lambda r: (visible_pairs(plan, r, cu), -r))
+
+
+def named_cases(seq_len, names):
+    """(name, plan, rank, cu_seqlens) of the named cases ``names`` at ``seq_len``."""
+    out = []
+    for key in names:
+        plan, cu = NAMED_CASES[key](seq_len)
+        rank = heaviest_rank(plan, cu)
+        out.append((f"{key} r{rank}", plan, rank, cu))
+    return out
+
+
+def selected_cases(seq_len, wanted=(), named=False, tree=False):
+    """The cases at ``seq_len``: those whose name contains one of ``wanted`` (default and named
+    cases), every named case with ``named``; with neither (nor ``tree``) the default cases."""
+    if wanted:
+        chosen = [c for c in cases(seq_len) if any(w in c[0] for w in wanted)]
+        keys = [k for k in NAMED_CASES if named or any(w in k for w in wanted)]
+    else:
+        chosen = [] if named or tree else cases(seq_len)
+        keys = list(NAMED_CASES) if named else []
+    return chosen + named_cases(seq_len, keys)
+
+
+def tree_cases(batches=GRPO_TREES):
+    """(name, PrefixTree) of GRPO groups ``"P+GxC,..."``: the prompt a root, each of the ``G``
+    completions of ``C`` tokens its child."""
+    from megatron.context_parallel import PrefixTree
+
+    out = []
+    for item in batches.split(","):
+        prompt, rest = item.strip().split("+")
+        group, completion = (int(x) for x in rest.split("x"))
+        tree = PrefixTree([-1] + [0] * group, [int(prompt)] + [completion] * group)
+        out.append((f"grpo_{item.strip()} CP1", tree))
+    return out
+
+
+def tree_tables(plan, tree, device):
+    """The tree's tables as a micro-batch gets them: ``ContextParallelParams.for_plan(...,
+    tree=tree).runs`` (``TreeTables``), copied to ``device``."""
+    from megatron.context_parallel.params import ContextParallelParams
+
+    runs = ContextParallelParams.for_plan(plan, None, device=device, tree=tree).runs
+    runs.on(device)
+    return runs
+
+
+def tree_share(tree):
+    """(seq_len, share): the tree's visible pairs over one causal sequence of ``seq_len``'s."""
+    pairs = int((tree.position_ids() + 1).sum())
+    return tree.seq_len, pairs / (tree.seq_len * (tree.seq_len + 1) / 2)
+
+
+# --- memory ----------------------------------------------------------------------------------
 
 
 def extra_peak(fn, kept_bytes):
     """GiB allocated at the peak of ``fn()`` beyond what existed before and ``kept_bytes``."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del result
-    return (peak - before - kept_bytes) / GiB
+    return extra_peak_bytes(fn, torch.device("cuda", torch.cuda.current_device()), kept_bytes) / GiB
 
 
 # --- the methods -----------------------------------------------------------------------------
@@ -224,14 +358,12 @@ class Case:
         self.kv_slots = kv_full[slots.clamp(min=0)] * (slots >= 0)[:, None, None]
         self.grad = torch.randn(n, HEADS, DIM, device=device, generator=g).bfloat16()
         self.sequence = _sequence(plan.seq_len, cu)
+
         # Timed on a warm process (the first build of a process pays torch's warm-up), as a
         # training loop builds them: once per micro-batch, before its first layer. The median
         # of five: one build is at the mercy of the host (a lone second build read 2-17 ms for
         # the same zigzag tables on an H100 machine's host).
-        times = []
-        for _ in range(6):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        def tables():
             if layout == "auto" and not build:
                 self.runs = build_attention_tables(plan, rank, self.sequence)
             elif layout == "blocks":
@@ -239,16 +371,20 @@ class Case:
             else:
                 self.runs = AttentionRuns.build(plan, rank, self.sequence, **build)
             self.runs.on(device)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-        self.build_ms = statistics.median(times[1:])
 
-    def ours(self, backward, shared=True):
-        # The library's default reads shared key ranges; the "copies" variant turns it off.
-        _attention_cudnn.shared_keys_in_backward = shared
+        self.build_ms = time_ms(tables, device, 5, 1, clock="host")
+
+    def ours(self, backward, shared=True, kernel=None):
+        """``fused_attention`` of the case on ``kernel`` (default: cuDNN with
+        ``shared_keys_in_backward=shared``; the library's default reads shared key ranges, the
+        "copies" variant turns it off)."""
+        if kernel is None:
+            kernel = _attention_cudnn.CudnnKernel(
+                _attention_cudnn.CudnnOptions(shared_keys_in_backward=shared)
+            )
         q = self.query.detach().requires_grad_(backward)
         kv = self.kv_slots.detach().requires_grad_(backward)
-        out = fused_attention(q, kv, self.runs, DIM**-0.5)
+        out = fused_attention(q, kv, self.runs, DIM**-0.5, kernel=kernel)
         if backward:
             out.backward(self.grad)
             return out, q.grad, kv.grad
@@ -311,12 +447,79 @@ class Case:
         return fwd, both
 
 
+class TreeCase(Case):
+    """A ``PrefixTree`` batch at CP 1 (every row, all keys): the tables are ``tree_tables``
+    (``TreeTables``), the masks the tree's (``PrefixTree.visible``)."""
+
+    def __init__(self, tree, device):
+        super().__init__(ContextParallelPlan.contiguous(tree.seq_len, 1), 0, None, device)
+        self.tree = tree
+
+        def tables():
+            self.runs = tree_tables(self.plan, tree, device)
+
+        self.build_ms = time_ms(tables, device, 5, 1, clock="host")
+
+    def _attend(self, q, k, v, allowed):
+        """fp32 ``[n, H, d]`` of queries ``q`` over keys ``k`` / values ``v`` (``[S, H, d]``)."""
+        scores = torch.einsum("nhd,shd->hns", q.float(), k.float()) * DIM**-0.5
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        return torch.einsum("hns,shd->nhd", torch.softmax(scores, dim=-1), v.float())
+
+    def dense_rows(self, rows):
+        pos = self.positions[rows]
+        k = self.kv_full[..., :DIM].repeat_interleave(HEADS // GROUPS, dim=1)
+        v = self.kv_full[..., DIM:].repeat_interleave(HEADS // GROUPS, dim=1)
+        keys = torch.arange(self.plan.seq_len, device=pos.device)
+        return self._attend(self.query[rows], k, v, self.tree.visible(pos, keys))
+
+    def dense_forward(self):
+        slots = self.plan.slot_positions(self.query.device)
+        k = self.kv_slots[..., :DIM].repeat_interleave(HEADS // GROUPS, dim=1)
+        v = self.kv_slots[..., DIM:].repeat_interleave(HEADS // GROUPS, dim=1)
+        allowed = self.tree.visible(self.positions, slots)
+        scores = torch.einsum("nhd,shd->hns", self.query, k).float() * DIM**-0.5
+        scores = scores.masked_fill(~allowed[None], torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1).bfloat16()
+        return torch.einsum("hns,shd->nhd", probs, v).reshape(-1, HEADS * DIM)
+
+    def flex(self):
+        """(fwd, fwd+bwd) of FlexAttention, its block mask read from the tree's dense mask."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        device = self.query.device
+        n = self.plan.seq_len
+        positions = torch.arange(n, device=device)
+        visible = self.tree.visible(positions, positions)  # [S, S] bool; rows are positions
+        q = self.query.transpose(0, 1)[None].contiguous()
+        kv = self.kv_full.transpose(0, 1)[None]
+        k, v = kv[..., :DIM].contiguous(), kv[..., DIM:].contiguous()
+
+        def mask(b, h, qi, ki):
+            return visible[qi, ki]
+
+        block = create_block_mask(mask, None, None, n, n, device=device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        do = torch.randn_like(q)
+
+        def fwd(qq=q, kk=k, vv=v):
+            return compiled(qq, kk, vv, block_mask=block, enable_gqa=True)
+
+        def both():
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            fwd(qq, kk, vv).backward(do)
+
+        return fwd, both
+
+
 def bench_case(
     name, plan, rank, cu, floor, reps, device, with_flex, with_dense, variants=(),
-    compare_layouts=False,
+    compare_layouts=False, case=None, shares=None,
 ):  # fmt: skip
-    case = Case(plan, rank, cu, device)
-    shares = causal_share(plan, rank, cu)
+    """One row of the table; ``case`` / ``shares`` (per floor length, the share of its causal
+    work) default to the plan's ``Case`` and ``causal_share``."""
+    case = Case(plan, rank, cu, device) if case is None else case
+    shares = causal_share(plan, rank, cu) if shares is None else shares
     floor_f = sum(floor[n][0] * s for n, s in shares)
     floor_b = sum(floor[n][1] * s for n, s in shares)
     fns = {"ours fwd": lambda: case.ours(False), "ours fwd+bwd": lambda: case.ours(True)}
@@ -425,10 +628,7 @@ def profile_case(plan, rank, cu, device, path, layout="auto"):
         case.ours(True)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        case.ours(True)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
+        (wall,) = samples_ms(lambda: case.ours(True), device, 1, 0, clock="host")
     events = prof.key_averages()
     gpu = sum(e.self_device_time_total for e in events) / 1e3
     table = events.table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=60)
@@ -446,7 +646,7 @@ def model_row(device, reps):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.context_parallel import get_gpt_layer_with_context_parallel_spec
-    from megatron.context_parallel.model import context_parallel_forward
+    from megatron.context_parallel.models.forward import context_parallel_forward
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -495,7 +695,7 @@ def model_row(device, reps):
         )
         out.target_logprobs.sum().backward()
 
-    import megatron.context_parallel.attention as attention
+    import megatron.context_parallel.params as attention
 
     fresh = attention.build_attention_tables
     kept = {}
@@ -542,26 +742,27 @@ def model_row(device, reps):
     }
 
 
-def tables_only(sizes, reps, device):
-    """Per case: ms to build this rank's tables and copy them to ``device`` (best of ``reps``
-    rounds, the two builders in turns), C++ and torch ops; Markdown rows."""
+def tables_only(sizes, reps, device, select=cases, trees=()):
+    """Per case (``select(seq_len)``, then the ``(name, PrefixTree)`` of ``trees`` at CP 1): ms
+    to build this rank's tables and copy them to ``device`` (best of ``reps`` rounds, the two
+    builders in turns), C++ and torch ops; Markdown rows."""
     from megatron.context_parallel import _extension
 
     native_ops = _extension.host_tables()
     if native_ops is None:
         raise SystemExit("the C++ table builders are not built (pip install -e . builds them)")
 
-    def build(plan, rank, sequence, native):
+    def build(make, native):
         _extension.host_tables = (lambda: native_ops) if native else (lambda: None)
+        built = []
+
+        def call():
+            built[:] = [make()]
+            built[0].on(device)
+
         try:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            tables = build_attention_tables(plan, rank, sequence)
-            tables.on(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            return (time.perf_counter() - t0) * 1e3, tables
+            (ms,) = samples_ms(call, device, 1, 0, clock="host")
+            return ms, built[0]
         finally:
             _extension.host_tables = loader
 
@@ -570,20 +771,30 @@ def tables_only(sizes, reps, device):
         "| case | S | layout | C++ ms | torch ops ms | torch ops / C++ |",
         "|---|---|---|---|---|---|",
     ]
-    for seq_len in sizes:
-        for name, plan, rank, cu in cases(seq_len):
-            sequence = _sequence(plan.seq_len, cu)
-            best = {True: float("inf"), False: float("inf")}
-            for _ in range(reps + 2):  # two warm-up rounds
-                for native in (True, False):
-                    ms, tables = build(plan, rank, sequence, native)
-                    best[native] = min(best[native], ms)
-            layout = type(tables).__name__.replace("Attention", "").lower()
-            lines.append(
-                f"| {name} | {seq_len} | {layout} | {best[True]:.3f} | {best[False]:.2f} | "
-                f"{best[False] / best[True]:.1f} |"
-            )
-            print(lines[-1], flush=True)
+
+    def makers():
+        for seq_len in sizes:
+            for name, plan, rank, cu in select(seq_len):
+                sequence = _sequence(plan.seq_len, cu)
+                yield name, seq_len, lambda p=plan, r=rank, s=sequence: build_attention_tables(
+                    p, r, s
+                )
+        for name, tree in trees:
+            plan = ContextParallelPlan.contiguous(tree.seq_len, 1)
+            yield name, tree.seq_len, lambda p=plan, t=tree: tree_tables(p, t, device)
+
+    for name, seq_len, make in makers():
+        best = {True: float("inf"), False: float("inf")}
+        for _ in range(reps + 2):  # two warm-up rounds
+            for native in (True, False):
+                ms, tables = build(make, native)
+                best[native] = min(best[native], ms)
+        layout = type(tables).__name__.replace("Attention", "").lower()
+        lines.append(
+            f"| {name} | {seq_len} | {layout} | {best[True]:.3f} | {best[False]:.2f} | "
+            f"{best[False] / best[True]:.1f} |"
+        )
+        print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -615,22 +826,42 @@ def main():
         action="store_true",
         help="also time the table layout (runs / blocks) that the choice did not take",
     )
-    parser.add_argument("--cases", default="", help="only cases whose name contains one of these")
+    parser.add_argument(
+        "--cases",
+        default="",
+        help="only cases whose name contains one of these (default and named cases), e.g. "
+        "packed_cut,block_shuffled_64",
+    )
+    parser.add_argument(
+        "--named", action="store_true", help=f"every named case: {', '.join(NAMED_CASES)}"
+    )
+    parser.add_argument(
+        "--tree", action="store_true", help="the GRPO tree cases at CP 1 (TreeTables)"
+    )
+    parser.add_argument("--tree-batches", default=GRPO_TREES, help="the trees, 'P+GxC,...'")
     parser.add_argument("--block-variants", action="store_true", help="other blocked settings")
     parser.add_argument("--no-graph-builds", action="store_true")
     parser.add_argument("--tables-only", action="store_true", help="only the per-batch tables")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    wanted = [c for c in args.cases.split(",") if c]
+    trees = tree_cases(args.tree_batches) if args.tree else []
+
+    def select(seq_len):
+        return selected_cases(seq_len, wanted, args.named, args.tree)
+
     if args.tables_only:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(f"tables on {device} (host: {os.cpu_count()} cores, torch {torch.__version__})")
-        print(tables_only([int(s) for s in args.sizes.split(",")], args.reps, device))
+        sizes = [int(s) for s in args.sizes.split(",")]
+        print(tables_only(sizes, args.reps, device, select, trees))
         return
     device = torch.device("cuda")
     results = {"rows": [], "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for seq_len in (int(s) for s in args.sizes.split(",")):
-        wanted = [c for c in args.cases.split(",") if c]
-        plans = [p for p in cases(seq_len) if not wanted or any(w in p[0] for w in wanted)]
+        plans = select(seq_len)
+        if not plans:
+            continue
         lengths = [n for _, p, r, cu in plans for n, _ in causal_share(p, r, cu)]
         floor = sdpa_floor(lengths, args.reps, device)
         results[f"floor {seq_len}"] = {str(k): v for k, v in floor.items()}
@@ -652,6 +883,26 @@ def main():
             )
             results["rows"].append(row)
             print(json.dumps({k: _fmt(v) for k, v in row.items()}), flush=True)
+    for name, tree in trees:
+        # The floor of a tree: cuDNN causal SDPA over one sequence of S, per visible pair.
+        case = TreeCase(tree, device)
+        floor = sdpa_floor([tree.seq_len], args.reps, device)
+        results[f"floor {name}"] = {str(k): v for k, v in floor.items()}
+        row = bench_case(
+            name,
+            case.plan,
+            0,
+            None,
+            floor,
+            args.reps,
+            device,
+            with_flex=not args.no_flex,
+            with_dense=tree.seq_len <= 32768,
+            case=case,
+            shares=[tree_share(tree)],
+        )
+        results["rows"].append(row)
+        print(json.dumps({k: _fmt(v) for k, v in row.items()}), flush=True)
     results["workspace bytes"] = _attention_cudnn.workspace_bytes()
     if args.profile:
         wanted = [c for c in args.cases.split(",") if c]

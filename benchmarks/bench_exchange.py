@@ -28,31 +28,18 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
-import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from timing import sync, time_ms, time_round_robin
 
 from megatron.context_parallel import (
     ContextParallelPlan,
     gather_from_context_parallel_region,
-    groups,
-    mappings,
 )
-
-
-def _median_us(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
-    times = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+from megatron.context_parallel.comm import groups, mappings
 
 
 class _NoExchange:
@@ -81,11 +68,6 @@ def _gloo_worker(rank: int, world: int, port: int, device_kind: str, reps: int, 
     )
     device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-
     group = dist.group.WORLD
     results: Dict[str, float] = {}
     for name, rows, width in (
@@ -99,17 +81,36 @@ def _gloo_worker(rank: int, world: int, port: int, device_kind: str, reps: int, 
             gather_from_context_parallel_region(local, plan, group)
 
         def call(local=local, plan=plan):
-            return gather_from_context_parallel_region(local, plan, group)
+            # Until every rank is done: the wait for the device and the barrier are part of it.
+            gather_from_context_parallel_region(local, plan, group)
+            sync(device)
+            dist.barrier()
 
-        with_exchange, without = [], []
-        for _ in range(reps):
-            with_exchange.append(_median_us(call, 1, sync))
+        def call_without(call=call):
             with _NoExchange():
-                without.append(_median_us(call, 1, sync))
-        results[f"gather {name}: with exchange"] = statistics.median(with_exchange)
-        results[f"gather {name}: without"] = statistics.median(without)
+                call()
+
+        # Every rank draws the same order (the same seed), so the collectives pair up.
+        ms = time_round_robin(
+            {"with": call, "without": call_without},
+            device,
+            reps,
+            0,
+            clock="host",
+            before=dist.barrier,
+        )
+        results[f"gather {name}: with exchange"] = 1e3 * ms["with"]
+        results[f"gather {name}: without"] = 1e3 * ms["without"]
     values = list(range(15))
-    results["exchange alone"] = _median_us(lambda: groups.exchange(values, group), reps, sync)
+
+    def exchange():
+        groups.exchange(values, group)
+        sync(device)
+        dist.barrier()
+
+    results["exchange alone"] = 1e3 * time_ms(
+        exchange, device, reps, 0, clock="host", before=dist.barrier
+    )
     if rank == 0:
         out.update(results)
     dist.destroy_process_group()
@@ -159,20 +160,24 @@ def _run_nccl(args) -> Dict[str, float]:
         step(True)
     torch.cuda.synchronize()
     results = {
-        "exchange alone (idle GPU)": _median_us(exchange_work, args.reps, torch.cuda.synchronize)
+        "exchange alone (idle GPU)": 1e3
+        * time_ms(exchange_work, device, args.reps, 0, clock="host")
     }
     loops = 50
-    with_exchange, without = [], []
-    for _ in range(max(args.reps // 10, 5)):
-        for flag, sink in ((True, with_exchange), (False, without)):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(loops):
-                step(flag)
-            torch.cuda.synchronize()
-            sink.append((time.perf_counter() - start) * 1e6 / loops)
-    results["loop step, ~1 ms queued GPU work: with exchange"] = statistics.median(with_exchange)
-    results["loop step, ~1 ms queued GPU work: without"] = statistics.median(without)
+
+    def loop(flag):
+        for _ in range(loops):
+            step(flag)
+
+    ms = time_round_robin(
+        {"with": lambda: loop(True), "without": lambda: loop(False)},
+        device,
+        max(args.reps // 10, 5),
+        0,
+        clock="host",
+    )
+    results["loop step, ~1 ms queued GPU work: with exchange"] = 1e3 * ms["with"] / loops
+    results["loop step, ~1 ms queued GPU work: without"] = 1e3 * ms["without"] / loops
     results["per-call cost in the loop"] = (
         results["loop step, ~1 ms queued GPU work: with exchange"]
         - results["loop step, ~1 ms queued GPU work: without"]

@@ -9,7 +9,7 @@ is timed.
   payload (every field of a row packed as bytes, ``cp * max_count`` rows), both buffers
   allocated beforehand. Communication only:
   nothing is put in source order, so no source-order gather can beat it.
-* ``ours``: ``megatron.context_parallel.mappings.gather_from_context_parallel_region``: the
+* ``ours``: ``megatron.context_parallel.comm.mappings.gather_from_context_parallel_region``: the
   small exchange of every rank's verdict on its input, one data collective for all fields, then
   one row scatter into source order.
 * ``(a) zero+index_copy+all_reduce``: mimics OpenPipe/ART pull request #912 ("Return full
@@ -45,16 +45,17 @@ Payloads (``--scale k`` divides every row count by ``k``):
   int64.
 * with ``--sweep``: ``hidden_states/64``, ``/16``, ``/4`` (fewer rows) for the size plot.
 
-Timing: ``--warmup`` untimed calls, then ``--reps`` timed calls, each after a barrier; on CUDA,
-CUDA events around the call on the current stream; on CPU, ``time.perf_counter``. A repetition
-counts as its slowest rank; the table gives the median over repetitions.
+Timing (``timing.samples_ms``): ``--warmup`` untimed calls, then ``--reps`` timed calls, each
+after a barrier; on CUDA, CUDA events around the call on the current stream; on CPU,
+``time.perf_counter``. A repetition counts as its slowest rank; the table gives the median over
+repetitions.
 
-Peak memory: on CUDA, ``torch.cuda.max_memory_allocated()`` during one call minus what was
-allocated before it (outputs included); on CPU, the running sum of the CPU allocator's
-allocation and free events recorded by ``torch.profiler`` (``profile_memory=True``) during one
-call. Neither counts NCCL's or gloo's internal buffers. ``bound`` is what ours may hold: the
-padded receive buffer plus the outputs (plus the packed send buffer when there are several
-fields).
+Peak memory (``timing.extra_peak_bytes``): on CUDA, ``torch.cuda.max_memory_allocated()`` during
+one call minus what was allocated before it (outputs included); on CPU, the running sum of the
+CPU allocator's allocation and free events recorded by ``torch.profiler``
+(``profile_memory=True``) during one call. Neither counts NCCL's or gloo's internal buffers.
+``bound`` is what ours may hold: the padded receive buffer plus the outputs (plus the packed send
+buffer when there are several fields).
 
 Run (from the repository root):
 
@@ -85,10 +86,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
+from timing import extra_peak_bytes, samples_ms, sync
 
-from megatron.context_parallel.groups import all_gather_into
-from megatron.context_parallel.mappings import gather_from_context_parallel_region
-from megatron.context_parallel.plan import ContextParallelPlan
+from megatron.context_parallel.comm.groups import all_gather_into
+from megatron.context_parallel.comm.mappings import gather_from_context_parallel_region
+from megatron.context_parallel.comm.plan import ContextParallelPlan
 
 FULL_ROWS = 20_436
 HIDDEN = 5_120
@@ -365,73 +367,27 @@ def check_approaches(
 
 
 def _time_call(
-    fn, s: Setup, warmup: int, reps: int, cuda: bool, min_seconds: float, max_reps: int
+    fn, s: Setup, warmup: int, reps: int, min_seconds: float, max_reps: int
 ) -> List[float]:
     """Per-call seconds of this rank; at least ``reps`` calls, more for fast calls."""
     t0 = time.perf_counter()
     for _ in range(warmup):
         out = fn(s)
         del out
-    if cuda:
-        torch.cuda.synchronize()
+    sync(s.device)
     per_call = (time.perf_counter() - t0) / max(warmup, 1)
     # Every rank must run the same number of barriers: agree on the slowest rank's estimate.
     per_call = _max_over_ranks([per_call], s.group, s.device)[0]
     if per_call > 0:
         reps = max(reps, min(max_reps, math.ceil(min_seconds / per_call)))
-    times = []
-    for _ in range(reps):
-        dist.barrier(group=s.group)
-        if cuda:
-            torch.cuda.synchronize()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn(s)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            out = fn(s)
-            times.append(time.perf_counter() - t0)
-        del out
-    return times
+    # CUDA events around the call on CUDA, the wall clock on CPU; a barrier before each call.
+    times = samples_ms(lambda: fn(s), s.device, reps, 0, before=lambda: dist.barrier(group=s.group))
+    return [t / 1e3 for t in times]
 
 
-def _cpu_peak_bytes(fn, s: Setup) -> Optional[int]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn(s)
-    del out
-    try:
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]"
-        )
-    except AttributeError:  # profiler internals moved: report no number rather than a wrong one
-        return None
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
-def _peak_bytes(fn, s: Setup, cuda: bool) -> Optional[int]:
+def _peak_bytes(fn, s: Setup) -> Optional[int]:
     dist.barrier(group=s.group)
-    if not cuda:
-        return _cpu_peak_bytes(fn, s)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn(s)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak
+    return extra_peak_bytes(lambda: fn(s), s.device)
 
 
 def _max_over_ranks(values: Sequence[float], group, device: torch.device) -> List[float]:
@@ -453,7 +409,6 @@ def bench_payload(
     min_seconds: float = 0.0,
     max_reps: int = 200,
 ) -> Dict:
-    cuda = device.type == "cuda"
     s = Setup(payload, group, device)
     check_setup(s)
     # The floor moves bytes it never reads; its send buffer content does not matter.
@@ -470,9 +425,9 @@ def bench_payload(
     }
     for approach in approaches:
         fn = RUNNERS[approach]
-        times = _time_call(fn, s, warmup, reps, cuda, min_seconds, max_reps)
+        times = _time_call(fn, s, warmup, reps, min_seconds, max_reps)
         times = _max_over_ranks(times, group, device)
-        peak = _peak_bytes(fn, s, cuda) if approach != "floor" else s.recv_bytes
+        peak = _peak_bytes(fn, s) if approach != "floor" else s.recv_bytes
         peak = _max_over_ranks([-1.0 if peak is None else float(peak)], group, device)[0]
         result["approaches"][approach] = {
             "calls": calls(approach, payload),

@@ -22,7 +22,8 @@ positions in random order), rank 0 timed: 11,240 local rows, 20,436 rows x 8 key
 heads after the exchange.
 
 Timing: ``--warmup`` untimed calls (fla compiles and autotunes its Triton kernels on the
-first), then ``--reps`` timed ones; CUDA events on CUDA, ``perf_counter`` on CPU; the median.
+first), then ``--reps`` timed ones; CUDA events on CUDA, ``perf_counter`` on CPU; the median
+(``timing.time_ms``).
 
 Run (from the repository root, one GPU, fla-core 0.6.0 and einops installed)::
 
@@ -45,17 +46,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from bench_head import time_ms  # noqa: E402
 from megatron.core.ssm.gated_delta_net import common as _gdn_common  # noqa: E402
+from timing import time_ms  # noqa: E402
 
-from megatron.context_parallel import gdn  # noqa: E402
-from megatron.context_parallel.gdn import (  # noqa: E402
+from megatron.context_parallel.comm.plan import ContextParallelPlan  # noqa: E402
+from megatron.context_parallel.comm.row_ops import permute_rows  # noqa: E402
+from megatron.context_parallel.mixers import gdn  # noqa: E402
+from megatron.context_parallel.mixers.gdn import (  # noqa: E402
     ContextParallelGatedDeltaNet,
     HeadShardRows,
     get_gated_delta_net_with_context_parallel_spec,
 )
-from megatron.context_parallel.ops import permute_rows  # noqa: E402
-from megatron.context_parallel.plan import ContextParallelPlan  # noqa: E402
 
 DOCUMENTS = (5000, 7000, 3436, 5000)  # 20,436 rows
 
@@ -202,7 +203,7 @@ def measure(args) -> Dict[str, float]:
         # The layer's: through the index (CUDA), else the same as conv_rows after the reorder.
         if not gathered:
             return conv_rows()
-        from megatron.context_parallel._gdn_conv import gathered_causal_conv
+        from megatron.context_parallel.mixers.gdn_conv import gathered_causal_conv
 
         return gathered_causal_conv(
             received, conv_weight, conv_bias, tables.to_source, tables.from_source,

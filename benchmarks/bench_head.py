@@ -46,8 +46,6 @@ import argparse
 import json
 import os
 import pathlib
-import random
-import statistics
 import sys
 import time
 
@@ -59,89 +57,11 @@ sys.path.insert(0, str(_ROOT / "tests"))  # the reference Function lives beside 
 
 from _vocab_ref import IGNORE, shard_logprobs  # noqa: E402
 from _vocab_watch import reselected_rows  # noqa: E402
+from timing import GiB, extra_peak_bytes, time_ms, time_round_robin  # noqa: E402
 
-from megatron.context_parallel import vocab_ops  # noqa: E402
+from megatron.context_parallel.head import vocab_ops  # noqa: E402
 
-GiB = float(1 << 30)
 TOPK = 20
-
-
-# --- timing and memory -----------------------------------------------------------------------
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-_SLEEP_CYCLES_PER_MS = None
-
-
-def _lead(device, ms):
-    """Queues ``ms`` milliseconds of GPU spinning (``torch.cuda._sleep``, calibrated once) so the
-    host's launch work for what comes next overlaps it."""
-    global _SLEEP_CYCLES_PER_MS
-    if _SLEEP_CYCLES_PER_MS is None:
-        cycles = 10_000_000
-        torch.cuda._sleep(cycles)  # warm-up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _SLEEP_CYCLES_PER_MS = cycles / start.elapsed_time(end)
-    torch.cuda._sleep(int(ms * _SLEEP_CYCLES_PER_MS))
-
-
-def time_ms(fn, device, reps, warmup, lead_ms=0.0):
-    """Median milliseconds of ``fn()`` (CUDA events on GPU, wall clock on CPU).
-
-    ``lead_ms`` (GPU): the GPU spins that long before the start event, so the call's launches
-    (Python, the launchers) are queued while it does, as in a training step where the host runs
-    ahead: the time is then the GPU's from the start event, with no wait for the host's first
-    launch; host time after a host read inside ``fn`` still counts. 0: timed from an idle GPU,
-    so host time before the first launch counts too."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if lead_ms:
-                _lead(device, lead_ms)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _nbytes(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
-    return 0
-
-
-def extra_peak_gib(fn, device):
-    """Peak memory of ``fn()`` above what was allocated before it, minus what it returns."""
-    if device.type != "cuda":
-        return float("nan")
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    out = fn()
-    _sync(device)
-    peak = torch.cuda.max_memory_allocated(device) - base - _nbytes(out)
-    del out
-    return peak / GiB
 
 
 # --- methods -----------------------------------------------------------------------------------
@@ -486,14 +406,15 @@ def dlogits_inputs(hidden, weight, device, cfg, launcher=None, width=None):
     ``launcher(hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d, v0)`` replaces
     ``_vocab_triton.launch_dlogits`` (another kernel; ``pos`` is built for ``cfg["BN"]``-wide
     tiles); ``width`` fixes the slice width instead of the backward's choice."""
-    from megatron.context_parallel import _vocab_triton
+    from megatron.context_parallel.head import vocab_triton as _vocab_triton
 
     n, vocab = hidden.shape[0], weight.shape[0]
     slots = vocab_ops._sm_count(device) * cfg.get("ctas_per_sm", 1)
     if launcher is None:
 
         def launcher(*args):
-            _vocab_triton.launch_dlogits(*args, cfg, slots)
+            use_tma = vocab_ops._use_tma(cfg, args[0], args[1], args[7])
+            _vocab_triton.launch_dlogits(*args, cfg, slots, use_tma=use_tma)
 
     if width is None:
         width = vocab_ops._slice_width(n, vocab, 0, hidden.element_size(), cfg["BN"])
@@ -527,7 +448,7 @@ def backward_parts(hidden, weight, device, reps, gemm):
     cfg = vocab_ops._config("bwd", hidden.dtype)
     launcher = None
     if vocab_ops._kernel_path("dlogits", hidden, weight) == "gluon":
-        gluon = vocab_ops._vocab_gluon
+        gluon = vocab_ops.vocab_gluon
         cfg = dict(cfg, BN=gluon.CONFIG["BN"])
         slots = vocab_ops._sm_count(device)
 
@@ -642,35 +563,11 @@ def sweep(inputs, device, reps, lines, kernels=("fwd", "fwd_topk", "promote", "b
 # --- one shape -----------------------------------------------------------------------------------
 
 
-def time_round_robin(fns, device, reps, warmup, unit=None, lead_ms=0.0, seed=0):
-    """Median ms of each ``fns[name]()``, timed in turns (every round runs each once), so that
-    clocks and temperature drift alike for all of them. With ``unit`` (a name in ``fns``) also
-    returns, per name, the median over rounds of its time over ``unit``'s in the same round.
-    ``lead_ms``: see ``time_ms`` (the unit gets the same lead).
-
-    Each round runs the calls in a new order (seeded): on the H200 the unit GEMM ran up to 14%
-    slower after compute-bound calls than after memory-bound ones (likely the clock following
-    the power draw), so a fixed order would give every method the same neighbour in every round
-    and bias its ratio (2026-12-03, fixed order: the unit GEMM timed against itself read
-    0.98-1.06)."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    _sync(device)
-    times = {name: [] for name in fns}
-    order = list(fns)
-    rng = random.Random(seed)
-    for _ in range(reps):
-        rng.shuffle(order)
-        for name in order:
-            times[name].append(time_ms(fns[name], device, 1, 0, lead_ms))
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    if unit is None:
-        return medians
-    ratios = {
-        name: statistics.median(a / b for a, b in zip(t, times[unit])) for name, t in times.items()
-    }
-    return medians, ratios
+def _extra_gib(fn, device):
+    """Peak GiB of ``fn()`` above what was allocated before it, minus what it returns (CUDA)."""
+    if device.type != "cuda":
+        return float("nan")
+    return extra_peak_bytes(fn, device, minus_output=True) / GiB
 
 
 def bench_shape(n, vocab, width, methods, device, reps, warmup, with_refs=True, lead_ms=2.0):
@@ -751,8 +648,8 @@ def bench_shape(n, vocab, width, methods, device, reps, warmup, with_refs=True, 
         row["train_gemms"] = train_x[name]
         row["fwd_gemms_queued"] = fwd_q[name]
         row["train_gemms_queued"] = train_q[name]
-        row["fwd_gib"] = extra_peak_gib(fwds[name], device)
-        row["train_gib"] = extra_peak_gib(trains[name], device)
+        row["fwd_gib"] = _extra_gib(fwds[name], device)
+        row["train_gib"] = _extra_gib(trains[name], device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if naive_err:

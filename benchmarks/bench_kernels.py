@@ -1,10 +1,10 @@
 """Row-kernel benchmark: megatron_cp scatter/gather vs torch indexing and a plain device copy.
 
-Timing: the stream is first held by a long sleep kernel, so every call of a batch is queued
-before the GPU starts; CUDA events recorded between the calls then measure GPU time only (no
-Python launch gaps). Each case warms up, then times many calls rotating over enough input
-sets that the inputs of consecutive calls never share L2 (60 MB on an H200), and reports the
-median. GB/s counts bytes read plus bytes written (index reads included), like the copy.
+Timing (``timing.kernel_ms``): the stream is first held by a long sleep kernel, so every call of
+a batch is queued before the GPU starts; CUDA events recorded between the calls then measure GPU
+time only (no Python launch gaps). Each case warms up, then times many calls rotating over enough
+input sets that the inputs of consecutive calls never share L2 (60 MB on an H200), and reports
+the median. GB/s counts bytes read plus bytes written (index reads included), like the copy.
 
 Usage: python benchmarks/bench_kernels.py [--reps N] [--json PATH] [--markdown PATH]
        [--quick] [--with-logits] [--ours-only] [--max-threads-per-row T]
@@ -20,39 +20,18 @@ import argparse
 import functools
 import json
 import math
-import statistics
 import sys
 
 import torch
+from timing import kernel_ms
 
-from megatron.context_parallel import ops
-from megatron.context_parallel.plan import ContextParallelPlan
+from megatron.context_parallel.comm import row_ops as ops
+from megatron.context_parallel.comm.plan import ContextParallelPlan
 
-SEED_ROWS, SEED_HIDDEN = 20436, 5120
+REPORT_ROWS, REPORT_HIDDEN = 20436, 5120  # the hidden states of the bug report's input
 L2_BYTES = 60 << 20
 OURS_ONLY = False
 MAX_THREADS_PER_ROW = None  # None: the kernel's default
-
-
-def _time_calls(fns, reps, warmup=5):
-    """Median GPU milliseconds of one call; fns[k] runs the call on input set k."""
-    for i in range(warmup):
-        fns[i % len(fns)]()
-    torch.cuda.synchronize()
-    times = []
-    done = 0
-    while done < reps:
-        batch = min(reps - done, 200)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(batch + 1)]
-        torch.cuda._sleep(50_000_000)  # ~25 ms at 2 GHz: longer than queueing the batch
-        events[0].record()
-        for i in range(batch):
-            fns[(done + i) % len(fns)]()
-            events[i + 1].record()
-        torch.cuda.synchronize()
-        times += [events[i].elapsed_time(events[i + 1]) for i in range(batch)]
-        done += batch
-    return statistics.median(times)
 
 
 def _n_sets(bytes_per_set):
@@ -173,7 +152,7 @@ def bench_scatter(name, plan, plan_name, widths, dtypes, reps, results, per_fiel
     if OURS_ONLY:
         methods = methods[:1]
     for method, make in methods:
-        ms = _time_calls([make(k) for k in range(n)], reps)
+        ms = kernel_ms([make(k) for k in range(n)], reps)
         nbytes = 2 * S * W if method.startswith("device copy") else moved
         results.append(_row(name, plan_name, W, S, method, ms, nbytes))
 
@@ -204,7 +183,7 @@ def bench_gather(name, full_rows, row_elems, dtype, index, reps, results):
         ("index_select", lambda k: lambda: srcs[k].index_select(0, index)),
     ]
     for method, make in methods:
-        ms = _time_calls([make(k) for k in range(n)], reps)
+        ms = kernel_ms([make(k) for k in range(n)], reps)
         results.append(_row(name, "-", row_bytes, m, method, ms, moved))
 
 
@@ -213,7 +192,7 @@ def bench_copy_ceiling(reps, results):
     n_bytes = 2 << 30
     a = [torch.empty(n_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
     b = [torch.empty(n_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    ms = _time_calls([lambda k=k: b[k].copy_(a[k]) for k in range(2)], max(10, reps // 5))
+    ms = kernel_ms([lambda k=k: b[k].copy_(a[k]) for k in range(2)], max(10, reps // 5))
     results.append(_row("copy ceiling 2 GiB", "-", 0, 0, "device copy", ms, 2 * n_bytes))
 
 
@@ -222,7 +201,7 @@ def main():
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--json")
     parser.add_argument("--markdown")
-    parser.add_argument("--quick", action="store_true", help="seed shape at CP 4 only")
+    parser.add_argument("--quick", action="store_true", help="the bug report's shape at CP 4 only")
     parser.add_argument("--ours-only", action="store_true", help="skip the torch baselines")
     parser.add_argument("--with-logits", action="store_true", help="add the logits case to --quick")
     parser.add_argument(
@@ -243,11 +222,11 @@ def main():
     results = []
     if not args.ours_only:
         bench_copy_ceiling(args.reps, results)
-    hidden_bytes = SEED_HIDDEN * 2
+    hidden_bytes = REPORT_HIDDEN * 2
     bf16 = torch.bfloat16
     cps = (4,) if args.quick else (2, 4, 8)
     for cp in cps:
-        zigzag = ContextParallelPlan.zigzag(SEED_ROWS - SEED_ROWS % (2 * cp), cp)
+        zigzag = ContextParallelPlan.zigzag(REPORT_ROWS - REPORT_ROWS % (2 * cp), cp)
         bench_scatter(
             "hidden 20436x5120 bf16",
             zigzag,
@@ -259,7 +238,7 @@ def main():
         )
         bench_scatter(
             "hidden 20436x5120 bf16",
-            _uneven_plan(SEED_ROWS, cp, gen),
+            _uneven_plan(REPORT_ROWS, cp, gen),
             f"uneven CP{cp}",
             [hidden_bytes],
             [bf16],
@@ -279,7 +258,7 @@ def main():
     if not args.quick:
         bench_scatter(
             "per-token fp32 (4 B)",
-            _uneven_plan(SEED_ROWS, 4, gen),
+            _uneven_plan(REPORT_ROWS, 4, gen),
             "uneven CP4",
             [4],
             [torch.float32],
@@ -288,7 +267,7 @@ def main():
         )
         bench_scatter(
             "top-k 20 (int64 + fp32)",
-            _uneven_plan(SEED_ROWS, 4, gen),
+            _uneven_plan(REPORT_ROWS, 4, gen),
             "uneven CP4",
             [160, 80],
             [torch.int64, torch.float32],
@@ -298,7 +277,7 @@ def main():
         )
         mixed = [hidden_bytes, 160, 80, 4]
         mixed_types = [bf16, torch.int64, torch.float32, torch.float32]
-        plan = _uneven_plan(SEED_ROWS, 4, gen)
+        plan = _uneven_plan(REPORT_ROWS, 4, gen)
         bench_scatter(
             "hidden+top-k+logp, row 10484 B",
             plan,
@@ -320,13 +299,13 @@ def main():
             per_field_too=True,
             pad=12,
         )
-        plan = _uneven_plan(SEED_ROWS, 4, gen)
+        plan = _uneven_plan(REPORT_ROWS, 4, gen)
         for r in range(1):
             index = plan.local_positions(r, torch.device("cuda"))
             bench_gather(
                 "backward: own rows of grad",
-                SEED_ROWS,
-                SEED_HIDDEN,
+                REPORT_ROWS,
+                REPORT_HIDDEN,
                 torch.bfloat16,
                 index,
                 args.reps,

@@ -16,8 +16,8 @@ Timed per call, on one GPU, for ``L = rotary_table_length(S, cp)``:
   either way (for scale).
 
 Wall time per call with the GPU drained after each (host work, the pinned copy and the kernels
-all count), median of ``--reps`` calls. A stand-in CP group (``size()`` / ``rank()``) feeds
-megatron's slice, so one GPU is enough.
+all count: ``timing.time_ms``'s host clock), median of ``--reps`` calls. A stand-in CP group
+(``size()`` / ``rank()``) feeds megatron's slice, so one GPU is enough.
 
     python benchmarks/bench_rotary_table.py --seq-len 20436
 """
@@ -25,18 +25,17 @@ megatron's slice, so one GPU is enough.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import time_ms
 
-from megatron.context_parallel.plan import ContextParallelPlan
-from megatron.context_parallel.rotary import (
+from megatron.context_parallel.attention.rotary import (
     rotary_at_positions,
     rotary_table_length,
     skip_marked_tables,
     skip_table_length,
 )
+from megatron.context_parallel.comm.plan import ContextParallelPlan
 
 
 class _StandInGroup:
@@ -53,15 +52,7 @@ class _StandInGroup:
 
 
 def _per_call_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return time_ms(fn, "cuda", reps, 1, clock="host") * 1e3
 
 
 def _timings(seq_len: int, cp: int, kv_channels: int, reps: int) -> dict:

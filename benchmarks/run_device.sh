@@ -2,8 +2,8 @@
 # One call on the GPU machine: build the extension, run the GPU tests, run the kernel benchmark.
 #
 # Usage (repo root):
-#   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|probe|
-#                             head|probe-head|gluon-topk|gdn|attention]
+#   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|head|
+#                             gluon-topk|gdn|attention]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | probe | head | probe-head | gluon-topk | gdn | attention) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -32,7 +32,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-16}"
-# The lent GPU machines set CXX=/opt/gcc/bin/g++, which links the C++ runtime statically: a failing
+# The GPU machines set CXX=/opt/gcc/bin/g++, which links the C++ runtime statically: a failing
 # TORCH_CHECK then segfaults instead of raising, so setup.py refuses that build (naming this
 # fix). The system compiler links libstdc++.so and the checks raise RuntimeError.
 if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
@@ -62,26 +62,20 @@ head_gpu_tests() {
   local xdist=()
   "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
   echo "== head GPU tests"
-  timeout "${TESTS_TIMEOUT:-300}" "$py" -m pytest tests/test_vocab_ops_cuda.py \
-    tests/test_head_cuda.py -q -rs "${xdist[@]}" -p no:cacheprovider 2>&1 \
+  timeout "${TESTS_TIMEOUT:-300}" "$py" -m pytest tests/head/test_vocab_ops_cuda.py \
+    tests/head/test_output_cuda.py -q -rs "${xdist[@]}" -p no:cacheprovider 2>&1 \
     | tee "$out/vocab_tests.log" | tail -n 6
 }
 
-if [[ "$mode" == probe || "$mode" == head || "$mode" == topk || "$mode" == probe-head ]]; then
-  # probe: where the forward top-k's time goes (benchmarks/probes/probe_topk.py); head: the head
-  # table (bench_head.py, peers from .whl; BENCH_METHODS narrows it); probe-head: both; topk: the
+if [[ "$mode" == head || "$mode" == topk ]]; then
+  # head: the head table (bench_head.py, peers from .whl; BENCH_METHODS narrows it); topk: the
   # top-k configs side by side on both shapes. Each then runs the head's GPU tests, or first with
   # TESTS_FIRST=1 (new kernels: their results before their timings).
   carry_wheels
   if [[ "${TESTS_FIRST:-0}" == 1 ]]; then
     head_gpu_tests
   fi
-  if [[ "$mode" == probe || "$mode" == probe-head ]]; then
-    echo "== top-k probe"
-    timeout "${PROBE_TIMEOUT:-300}" "$py" benchmarks/probes/probe_topk.py 2>&1 \
-      | tee "$out/probe_topk.log" | grep -E "^\||x[0-9]+:|Error" | tail -n 70
-  fi
-  if [[ "$mode" == head || "$mode" == probe-head ]]; then
+  if [[ "$mode" == head ]]; then
     echo "== head benchmark"
     timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --reps "${BENCH_REPS:-3}" \
       --warmup 1 ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --out "$out" 2>&1 \
@@ -132,7 +126,7 @@ if [[ "$mode" == attention ]]; then
   xdist=()
   "$py" -c "import xdist" 2>/dev/null && xdist=(-n 4)
   echo "== attention GPU tests"
-  timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest tests/test_attention_cuda.py -q -rs \
+  timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest tests/attention/test_fused_cuda.py -q -rs \
     "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$out/attention_tests.log" | tail -n 15
   echo "== attention benchmark"
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of options
@@ -151,7 +145,7 @@ if [[ "$mode" == gdn ]]; then
   # backward where it refuses Triton < 3.7.1 on Hopper (see bench_gdn.py).
   carry_wheels
   echo "== GDN GPU tests"
-  timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest tests/test_gdn_cuda.py -q -rs \
+  timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest tests/mixers/test_gdn_cuda.py -q -rs \
     -p no:cacheprovider 2>&1 | tee "$out/gdn_tests.log" | tail -n 15
   echo "== GDN benchmark"
   # shellcheck disable=SC2086 # GDN_BENCH_ARGS is a list of options
@@ -164,13 +158,13 @@ if [[ "$mode" == head-sweep ]]; then
   # The bad-input matrix on CUDA tensors (issue 11), the head kernels' schedule sweep on a full
   # vocabulary and a TP-4 shard, then the head's GPU tests (every schedule variant).
   echo "== bad-input matrix, CPU and CUDA tensors over gloo"
-  timeout 150 "$py" -m pytest tests/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
+  timeout 150 "$py" -m pytest tests/comm/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$out/no_hang.log" | tail -n 8
   echo "== head schedule sweep"
   timeout 330 "$py" benchmarks/bench_head.py --sweep --sweep-only --reps 4 --out "$out" 2>&1 \
     | tee "$out/head_sweep.log" | tail -n 60
   echo "== head GPU tests"
-  timeout 200 "$py" -m pytest tests/test_vocab_ops_cuda.py -q -x -rs -p no:cacheprovider 2>&1 \
+  timeout 200 "$py" -m pytest tests/head/test_vocab_ops_cuda.py -q -x -rs -p no:cacheprovider 2>&1 \
     | tee "$out/vocab_tests.log" | tail -n 15
   exit 0
 fi
@@ -178,10 +172,10 @@ fi
 if [[ "$mode" == head-and-errors ]]; then
   carry_wheels
   echo "== head GPU tests"
-  timeout 150 "$py" -m pytest tests/test_head_cuda.py -q -rs -p no:cacheprovider 2>&1 \
+  timeout 150 "$py" -m pytest tests/head/test_output_cuda.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$out/head_tests.log" | tail -n 15
   echo "== bad-input matrix, CPU and CUDA tensors over gloo"
-  timeout 150 "$py" -m pytest tests/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
+  timeout 150 "$py" -m pytest tests/comm/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$out/no_hang.log" | tail -n 8
   echo "== exchange cost"
   timeout 90 "$py" benchmarks/bench_exchange.py --backend nccl --device cuda 2>&1 \
@@ -206,12 +200,12 @@ if [[ "$mode" == image ]]; then
     2>&1 | tail -n 15
   export MCP_REQUIRE_EXTENSION=1
   echo "== GPU tests"
-  timeout 300 "$py" -m pytest tests/test_ops_cuda.py tests/test_ops.py -q -rs \
+  timeout 300 "$py" -m pytest tests/comm/test_row_ops_cuda.py tests/comm/test_row_ops.py -q -rs \
     -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -n 5
   echo "== CPU suites on this torch (gather, head, model)"
   # No GPU for them: megatron-core would put rotary tables on cuda:0 beside a CPU model.
-  CUDA_VISIBLE_DEVICES= timeout 300 "$py" -m pytest tests/test_plan.py tests/test_mappings.py \
-    tests/test_head.py tests/test_model.py tests/test_seed_regression.py -q -p no:cacheprovider 2>&1 \
+  CUDA_VISIBLE_DEVICES= timeout 300 "$py" -m pytest tests/comm/test_plan.py tests/comm/test_mappings.py \
+    tests/head/test_output.py tests/models/test_forward.py tests/models/test_report_regression.py -q -p no:cacheprovider 2>&1 \
     | tee "$out/suite.log" | tail -n 5
   echo "== probe example on one GPU (NCCL, CP 1)"
   timeout 200 "$py" examples/cp_probe.py --device cuda --cp-sizes 1 --world-size 1 2>&1 \
@@ -232,13 +226,14 @@ grep -E "build summary|CUDA extension|TORCH_CUDA_ARCH_LIST|registers|spill" "$ou
 echo "build: $((SECONDS - start)) s"
 fi
 export MCP_REQUIRE_EXTENSION=1
-"$py" -c 'from megatron.context_parallel import ops, _extension; print("extension:", _extension.status())' \
-  || exit 1
+"$py" -c 'import megatron.context_parallel.comm.row_ops
+from megatron.context_parallel import _extension
+print("extension:", _extension.status())' || exit 1
 
 if [[ "$mode" != bench && "$mode" != tune ]]; then
   echo "== tests"
   start=$SECONDS
-  timeout 300 "$py" -m pytest tests/test_ops_cuda.py tests/test_ops.py -q -rs -p no:cacheprovider \
+  timeout 300 "$py" -m pytest tests/comm/test_row_ops_cuda.py tests/comm/test_row_ops.py -q -rs -p no:cacheprovider \
     2>&1 | tee "$out/tests.log" | tail -n 40
   echo "tests: $((SECONDS - start)) s"
 fi
@@ -247,7 +242,7 @@ if [[ "$mode" == all ]] && command -v compute-sanitizer >/dev/null; then
   echo "== compute-sanitizer memcheck on small odd cases"
   cat >/tmp/mcp_sanitize.py <<'PY'
 import torch
-from megatron.context_parallel import ops
+from megatron.context_parallel.comm import row_ops as ops
 g = torch.Generator().manual_seed(0)
 for slots, widths, lead in ((7, [48, 6, 2, 1], 1), (33, [10240, 160, 80, 4], 0), (0, [8], 0)):
     W = lead + sum(widths) + 3

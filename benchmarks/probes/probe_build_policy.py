@@ -1,12 +1,13 @@
 """How many cuDNN graphs would random plans build under a shape policy? Answered on the CPU.
 
 A batch's graphs are keyed by the kernel shape its tables ask for (``AttentionRuns.batch /
-max_q / max_kv``: sizes rounded to ``attention_runs.SHAPE_BUCKETS`` per octave, then maybe a
-recorded shape up to ``SHAPE_REUSE`` times larger) and, for the backward, by the row totals a
-built graph can hold (``_attention_cudnn.backward_totals``, called here as the kernel calls
-it). Both are host quantities, so replaying the tables of the plans ``probe_shape_reuse.py``
-draws gives its build counts without a GPU (session 22: the same 37, 35, 30, 27, 29 and 27,
-9, 8, 10, 11 as the H100). Policies are tried here before a device call times them.
+max_q / max_kv``: sizes rounded to ``AttentionSettings.shape_buckets`` per octave, then maybe
+a recorded shape up to ``AttentionSettings.shape_reuse`` times larger) and, for the backward,
+by the row totals a built graph can hold (``attention.cudnn.backward_totals``, called here as
+the kernel calls it). Both are host quantities, so replaying the tables of the plans
+``probe_shape_reuse.py`` draws gives its build counts without a GPU (the same counts as on the
+H100: RESULTS.md, "Attention kernel shapes"). Policies are tried here before a device call times
+them.
 
 Per policy ``buckets:reuse``: builds per set of 20 random uneven plans, split into new
 forward shapes, new backward shapes and larger totals of a known backward shape.
@@ -27,10 +28,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_attention import _random_uneven_plan, _sequence  # noqa: E402
 
-from megatron.context_parallel import _attention_cudnn, attention_runs  # noqa: E402
-from megatron.context_parallel.attention_blocks import (  # noqa: E402
+from megatron.context_parallel.attention import cudnn as _attention_cudnn  # noqa: E402
+from megatron.context_parallel.attention import runs as attention_runs  # noqa: E402
+from megatron.context_parallel.attention.blocks import (  # noqa: E402
     AttentionBlocks,
     build_attention_tables,
+)
+from megatron.context_parallel.attention.settings import (  # noqa: E402
+    attention_settings,
+    current_attention_settings,
 )
 
 
@@ -43,10 +49,15 @@ def _calls(tables):
 
 
 def replay(buckets, reuse, sets, seq_len=20436, seed=1):
-    """(builds per set of 20 plans, {kind: builds}) from an empty shape record, with
-    ``SHAPE_BUCKETS = buckets`` and ``SHAPE_REUSE = reuse``."""
-    attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE = buckets, reuse
-    attention_runs._SHAPES.clear()
+    """(builds per set of 20 plans, {kind: builds}) from an empty shape record and graph cache,
+    with ``AttentionSettings.shape_buckets = buckets`` and ``shape_reuse = reuse``."""
+    policy = attention_settings(shape_buckets=buckets, shape_reuse=reuse)
+    with policy, attention_runs.kernel_shapes():
+        return _replay(sets, seq_len, seed)
+
+
+def _replay(sets, seq_len, seed):
+    """``replay`` under the settings and shape record in effect."""
     rng = random.Random(seed)
     _attention_cudnn.reset_graphs()
     forward, backward = set(), set()
@@ -79,7 +90,8 @@ def main():
     parser.add_argument("--policies", default="16:1,16:1.5,1:2", help="buckets:reuse, ...")
     parser.add_argument("--seq-len", type=int, default=20436)
     args = parser.parse_args()
-    default = attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE
+    settings = current_attention_settings()
+    default = settings.shape_buckets, settings.shape_reuse
     try:
         header = "builds per set of 20 plans | forward / backward shapes, larger totals"
         print(f"S = {args.seq_len}; default policy {default[0]}:{default[1]}")
@@ -91,8 +103,6 @@ def main():
             print(f"| {policy} | {', '.join(map(str, per_set))} | "
                   f"{' / '.join(str(v) for v in kinds.values())} |", flush=True)  # fmt: skip
     finally:
-        attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE = default
-        attention_runs._SHAPES.clear()
         _attention_cudnn.reset_graphs()
 
 

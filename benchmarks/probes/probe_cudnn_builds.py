@@ -1,6 +1,7 @@
 """How long cuDNN takes to build the fused attention's graphs, and whether its dynamic shapes
-and kernel cache (``is_dynamic_shape_enabled`` + ``create_kernel_cache``) make a new bucketed
-shape cheap; outputs must equal those of graphs built without them.
+and kernel cache (``is_dynamic_shape_enabled`` + ``create_kernel_cache``, passed as
+``CudnnOptions.graph_options``) make a new bucketed shape cheap; outputs must equal those of
+graphs built without them.
 
 Run on a GPU with nvidia-cudnn-frontend: ``python benchmarks/probes/probe_cudnn_builds.py``.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import pathlib
 import random
 import sys
-import time
 
 import torch
 
@@ -18,18 +18,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_attention import _random_uneven_plan  # noqa: E402
+from timing import samples_ms  # noqa: E402
 
-from megatron.context_parallel import _attention_cudnn as kernel  # noqa: E402
-from megatron.context_parallel.attention_runs import AttentionRuns  # noqa: E402
-from megatron.context_parallel.fused_attention import fused_attention  # noqa: E402
+from megatron.context_parallel.attention import cudnn as attention_cudnn  # noqa: E402
+from megatron.context_parallel.attention.fused import fused_attention  # noqa: E402
+from megatron.context_parallel.attention.runs import AttentionRuns  # noqa: E402
 
 H, G, D, S = 40, 8, 128, 20436
 
 
 def run(plans, options):
-    kernel.reset_graphs()
-    kernel.graph_options.clear()
-    kernel.graph_options.update(options)
+    attention_cudnn.reset_graphs()
+    kernel = attention_cudnn.CudnnKernel(
+        attention_cudnn.CudnnOptions(graph_options=tuple(options.items()))
+    )
     outs, builds, seconds = [], [], []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for plan in plans:
@@ -39,15 +41,17 @@ def run(plans, options):
         kv = torch.randn(runs.slots, G, 2 * D, device="cuda", generator=gen).bfloat16()
         q.requires_grad_()
         kv.requires_grad_()
-        before = kernel.graph_builds()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fused_attention(q, kv, runs, D**-0.5)
-        out.backward(torch.ones_like(out))
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - t0)
-        builds.append(kernel.graph_builds() - before)
-        outs.append((out.float(), q.grad.float(), kv.grad.float()))
+        before = attention_cudnn.graph_builds()
+        got = []
+
+        def call(q=q, kv=kv, runs=runs, got=got):
+            got.append(fused_attention(q, kv, runs, D**-0.5, kernel=kernel))
+            got[0].backward(torch.ones_like(got[0]))
+
+        (ms,) = samples_ms(call, "cuda", 1, 0, clock="host")
+        seconds.append(ms / 1e3)
+        builds.append(attention_cudnn.graph_builds() - before)
+        outs.append((got[0].float(), q.grad.float(), kv.grad.float()))
     return outs, builds, seconds
 
 

@@ -33,8 +33,10 @@ import torch
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "tests")
 from _vocab_ref import IGNORE, shard_logprobs  # noqa: E402
+from timing import gpu_sleep, time_ms  # noqa: E402
 
-from megatron.context_parallel import _vocab_triton, vocab_ops  # noqa: E402
+from megatron.context_parallel.head import vocab_ops  # noqa: E402
+from megatron.context_parallel.head import vocab_triton as _vocab_triton
 
 dev = torch.device("cuda")
 _STAMPS = []
@@ -42,31 +44,22 @@ _STAMPS = []
 
 def busy(ms=30.0):
     """Keeps the GPU busy for about ``ms`` so the host runs ahead of it."""
-    torch.cuda._sleep(int(ms * 1.9e6))
+    gpu_sleep(ms)
 
 
 def warm_us(fn, calls):
     """Microseconds per call, back to back (the GPU kept busy)."""
-    busy(max(5.0, calls * 0.3))
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    out = (time.perf_counter() - t0) * 1e6 / calls
-    torch.cuda.synchronize()
-    return out
+
+    def loop():
+        for _ in range(calls):
+            fn()
+
+    return time_ms(loop, dev, 1, 0, max(5.0, calls * 0.3), clock="launch") * 1e3 / calls
 
 
 def cold_us(fn, reps=15):
     """Median microseconds of one call made right after a synchronisation (the GPU kept busy)."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        busy(20)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return time_ms(fn, dev, reps, 0, 20.0, clock="launch") * 1e3
 
 
 class _Stamp:
@@ -169,15 +162,16 @@ def probe(n, vocab, calls, profile):
             f"k={k:2d}: to launch {to_launch:7.1f} us, launch {launch:7.1f} us, "
             f"after {after:8.1f} us"
         )
-    cfg = dict(vocab_ops._CONFIG["fwd"])
+    cfg = dict(vocab_ops.current_kernel_config()["fwd"])
     splits = vocab_ops.forward_splits(n, vocab, 0, slots)
     part = torch.empty(splits, 3, n, device=dev)
     tv = torch.empty(splits, n, 0, device=dev)
     ti = torch.empty(splits, n, 0, device=dev, dtype=torch.int32)
     gluon = vocab_ops._kernel_path("stats", h, w) == "gluon"
     pieces = {
+        # With the use_tma check the launcher made itself before it moved to vocab_ops.
         "launch_stats_fwd (k=0)": lambda: _vocab_triton.launch_stats_fwd(
-            h, w, labels, 0, part, tv, ti, splits, cfg, False
+            h, w, labels, 0, part, tv, ti, splits, cfg, False, use_tma=vocab_ops._use_tma(cfg, h, w)
         ),
         "_descriptors": lambda: _vocab_triton._descriptors(h, w, 128, 256, 64, True),
         "torch.empty": lambda: torch.empty(splits, 3, n, device=dev),

@@ -1,12 +1,13 @@
-"""Extra memory and time of the fused attention's backward under the key-gradient settings of
-``_attention_cudnn`` (issue 26: extra peak memory per layer):
+"""Extra memory and time of the fused attention's backward under the key-gradient options of
+the cuDNN kernel (``CudnnOptions``; issue 26: extra peak memory per layer):
 
-* ``separate_key_gradients``: cuDNN writes dK / dV to two dense ``[M, G, d]`` buffers (read in
-  place by ``_attention_sums``) rather than straight into the interleaved ``[M, G, 2d]`` layout.
-  With GQA its backward keeps per-query-head dK and dV in its workspace, laid out with the
-  outputs' token stride times ``H / G``, so the interleaved layout doubles them.
-* ``exact_key_workspace``: the graph's key total halved, as the frontend sizes those 16-bit
-  buffers at four bytes an element.
+* ``CudnnOptions.separate_key_gradients``: cuDNN writes dK / dV to two dense ``[M, G, d]``
+  buffers (read in place by ``attention.sums``) rather than straight into the interleaved
+  ``[M, G, 2d]`` layout. With GQA its backward keeps per-query-head dK and dV in its workspace,
+  laid out with the outputs' token stride times ``H / G``, so the interleaved layout doubles
+  them.
+* ``CudnnOptions.exact_key_workspace``: the graph's key total halved, as the frontend sizes
+  those 16-bit buffers at four bytes an element.
 
 Per case of ``bench_attention.cases(S)``, each setting: forward+backward ms (timed in turns in
 one run), extra peak GiB beyond Q / K / V / O and their gradients (as ``bench_attention`` counts
@@ -31,12 +32,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_attention import DIM, HEADS, Case, cases, extra_peak  # noqa: E402
-from bench_head import time_round_robin  # noqa: E402
+from timing import time_round_robin  # noqa: E402
 
-from megatron.context_parallel import _attention_cudnn  # noqa: E402
+from megatron.context_parallel.attention import cudnn as _attention_cudnn  # noqa: E402
 
 GiB = 1024**3
-# (separate_key_gradients, exact_key_workspace)
+# (CudnnOptions.separate_key_gradients, CudnnOptions.exact_key_workspace)
 SETTINGS = {
     "interleaved": (False, False),
     "dense dK, dV": (True, False),
@@ -44,16 +45,12 @@ SETTINGS = {
 }
 
 
-def _set(setting):
-    _attention_cudnn.separate_key_gradients, _attention_cudnn.exact_key_workspace = setting
-
-
-def _with_setting(setting, fn):
-    def run():
-        _set(setting)
-        return fn()
-
-    return run
+def _kernel(setting):
+    """The cuDNN kernel under ``setting`` (the library's defaults otherwise)."""
+    separate, exact = setting
+    return _attention_cudnn.CudnnKernel(
+        _attention_cudnn.CudnnOptions(separate_key_gradients=separate, exact_key_workspace=exact)
+    )
 
 
 def _largest_workspace(fn):
@@ -76,16 +73,18 @@ def probe_case(name, plan, rank, cu, reps, device):
     case = Case(plan, rank, cu, device)
     n = case.query.shape[0]
     kept = 2 * n * HEADS * DIM * 2 + case.kv_slots.numel() * 2
-    fns = {label: _with_setting(st, lambda: case.ours(True)) for label, st in SETTINGS.items()}
+    kernels = {label: _kernel(setting) for label, setting in SETTINGS.items()}
+    fns = {label: (lambda k=k: case.ours(True, kernel=k)) for label, k in kernels.items()}
     times = time_round_robin(fns, device, reps, 1)
     row = {"case": name, "tables": case.runs.describe()}
     first = None
-    for label, setting in SETTINGS.items():
-        _set(setting)
+    for label, kernel in kernels.items():
         gc.collect()
         torch.cuda.empty_cache()
-        peak, ws = _largest_workspace(lambda: extra_peak(lambda: case.ours(True), kept))
-        grads = [t.float() for t in case.ours(True)[1:]]
+        peak, ws = _largest_workspace(
+            lambda k=kernel: extra_peak(lambda: case.ours(True, kernel=k), kept)
+        )
+        grads = [t.float() for t in case.ours(True, kernel=kernel)[1:]]
         first = grads if first is None else first
         row[f"{label}: fwd+bwd ms"] = times[label]
         row[f"{label}: extra GiB"] = peak
@@ -93,7 +92,6 @@ def probe_case(name, plan, rank, cu, reps, device):
         row[f"{label}: max |grad difference|"] = max(
             (x - y).abs().max().item() for x, y in zip(grads, first)
         )
-    _set((True, True))
     return row
 
 

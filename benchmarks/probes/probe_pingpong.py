@@ -27,10 +27,11 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 
-from bench_head import dlogits_inputs, time_round_robin  # noqa: E402
+from bench_head import dlogits_inputs  # noqa: E402
+from timing import gpu_sleep, time_round_robin  # noqa: E402
 
-from megatron.context_parallel import _vocab_gluon as pp  # noqa: E402
-from megatron.context_parallel import vocab_ops  # noqa: E402
+from megatron.context_parallel.head import vocab_gluon as pp  # noqa: E402
+from megatron.context_parallel.head import vocab_ops  # noqa: E402
 
 dev = torch.device("cuda")
 SMS = vocab_ops._sm_count(dev)
@@ -53,7 +54,7 @@ def _inputs(n, vocab, seed):
 def _kernels(hidden, weight, width=None):
     """The Triton kernel and each ping-pong variant over the same inputs and slices:
     ``{name: (d, slices)}``."""
-    cfg = dict(vocab_ops._CONFIG["bwd"])
+    cfg = dict(vocab_ops.current_kernel_config()["bwd"])
     out = {"triton": dlogits_inputs(hidden, weight, dev, cfg, width=width)}
     width = out["triton"][0].shape[1]
     for label, over in VARIANTS:
@@ -95,15 +96,14 @@ def _call(hidden, weight, k, pingpong, splits=None):
     name = "fwd_topk" if k else "fwd"
 
     def run():
-        saved, saved_splits = dict(vocab_ops._CONFIG[name]), pp.topk_splits
-        vocab_ops._CONFIG[name].update(pingpong=pingpong)
+        saved_splits = pp.topk_splits
         if splits:
             pp.topk_splits = lambda *args, **kwargs: splits
         try:
-            vocab_ops.vocab_stats(hidden, weight, None, k)
+            with vocab_ops.kernel_config_scope(name, pingpong=pingpong):
+                vocab_ops.vocab_stats(hidden, weight, None, k)
         finally:
             pp.topk_splits = saved_splits
-            vocab_ops._CONFIG[name].update(saved)
 
     return run
 
@@ -147,11 +147,14 @@ def _topk_fns(hidden, weight, k=20):
         "top-20 call, Gluon": _call(hidden, weight, k, True),
         "top-20 call, Triton": _call(hidden, weight, k, False),
     }
-    cfg = dict(vocab_ops._CONFIG["fwd_topk"])
+    cfg = dict(vocab_ops.current_kernel_config()["fwd_topk"])
     splits = vocab_ops.forward_splits(n, vocab, k, SMS)
     bufs = vocab_ops._split_buffers(splits, 4, n, k, dev)
+    use_tma = vocab_ops._use_tma(cfg, hidden, weight)
     fns[f"top-20 Triton kernel alone ({splits} splits)"] = lambda: (
-        vocab_ops._vocab_triton.launch_stats_fwd(hidden, weight, None, k, *bufs, splits, cfg, True)
+        vocab_ops.vocab_triton.launch_stats_fwd(
+            hidden, weight, None, k, *bufs, splits, cfg, True, use_tma=use_tma
+        )
     )
     for label, over in TOPK_VARIANTS:
         tcfg = dict(pp.TOPK_CONFIG, **over)
@@ -178,13 +181,14 @@ def _split_fns(hidden, weight, k=20):
     split count forced to 8 and to the model's."""
     n, vocab = hidden.shape[0], weight.shape[0]
     fns = {}
-    cfg = dict(vocab_ops._CONFIG["fwd_topk"])
+    cfg = dict(vocab_ops.current_kernel_config()["fwd_topk"])
     model = vocab_ops.forward_splits(n, vocab, k, SMS)
+    use_tma = vocab_ops._use_tma(cfg, hidden, weight)
     for s in sorted({model, 8}):
         bufs = vocab_ops._split_buffers(s, 4, n, k, dev)
         fns[f"Triton kernel alone, {s} splits{' (model)' if s == model else ''}"] = (
-            lambda s=s, bufs=bufs: vocab_ops._vocab_triton.launch_stats_fwd(
-                hidden, weight, None, k, *bufs, s, cfg, True
+            lambda s=s, bufs=bufs: vocab_ops.vocab_triton.launch_stats_fwd(
+                hidden, weight, None, k, *bufs, s, cfg, True, use_tma=use_tma
             )
         )
     gmodel = pp.topk_splits(n, vocab, SMS, H * 2)
@@ -251,9 +255,10 @@ def profile_topk(n, vocab, k=20):
     target = torch.randint(0, vocab, (n,), device=dev)
     for _ in range(2):
         vocab_ops.vocab_stats(hidden, weight, target, k)
+    gpu_sleep(0.0)  # calibrates the sleep outside the profile
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.cuda._sleep(2_000_000)
+        gpu_sleep(1.0)
         vocab_ops.vocab_stats(hidden, weight, target, k)
         torch.cuda.synchronize()
     print(f"\n{n} x {vocab}, top-{k} call, GEMMs at the unit's ms: see --topk-splits")

@@ -1,6 +1,6 @@
 """Graph builds and speed of the fused attention under kernel shape policies: sizes per octave
-(``attention_runs.SHAPE_BUCKETS``) and how much larger a recorded shape a batch may run on
-(``SHAPE_REUSE``) (issue 26: no recompilation over batches of new lengths).
+(``AttentionSettings.shape_buckets``) and how much larger a recorded shape a batch may run on
+(``AttentionSettings.shape_reuse``) (issue 26: no recompilation over batches of new lengths).
 
 For each policy ``buckets:reuse``: the cuDNN graph builds over 20 random uneven plans at
 S = 20,436 (CP 2, rank 0 or the other rank when rank 0 owns nothing), then over each further
@@ -26,29 +26,33 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_attention import Case, _random_uneven_plan  # noqa: E402
-from bench_head import time_round_robin  # noqa: E402
+from timing import time_round_robin  # noqa: E402
 
-from megatron.context_parallel import _attention_cudnn, attention_runs  # noqa: E402
+from megatron.context_parallel.attention import cudnn as _attention_cudnn  # noqa: E402
+from megatron.context_parallel.attention import runs as attention_runs  # noqa: E402
+from megatron.context_parallel.attention.settings import attention_settings  # noqa: E402
 
 
 def cases_at(policy, plans, device, keep):
-    """Builds per set of 20 plans, and the Cases of the first ``keep`` plans (each holds ~0.5 GB
-    of inputs), built under ``policy`` (buckets, reuse) from an empty shape record and graph
-    cache."""
-    attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE = policy
-    attention_runs._SHAPES.clear()
+    """Builds per set of 20 plans, the Cases of the first ``keep`` plans (each holds ~0.5 GB of
+    inputs) and the number of kernel shapes recorded, built under ``policy`` (buckets, reuse)
+    from an empty shape record and graph cache."""
+    buckets, reuse = policy
     _attention_cudnn.reset_graphs()
     builds, cases = [], []
-    for first in range(0, len(plans), 20):
-        half = plans[first : first + 20]
-        before = _attention_cudnn.graph_builds()
-        for plan in half:
-            case = Case(plan, 0 if plan.counts[0] else 1, None, device)
-            case.ours(True)
-            if len(cases) < keep:
-                cases.append(case)
-        builds.append(_attention_cudnn.graph_builds() - before)
-    return builds, cases
+    policy = attention_settings(shape_buckets=buckets, shape_reuse=reuse)
+    with policy, attention_runs.kernel_shapes():
+        for first in range(0, len(plans), 20):
+            half = plans[first : first + 20]
+            before = _attention_cudnn.graph_builds()
+            for plan in half:
+                case = Case(plan, 0 if plan.counts[0] else 1, None, device)
+                case.ours(True)
+                if len(cases) < keep:
+                    cases.append(case)
+            builds.append(_attention_cudnn.graph_builds() - before)
+        shapes = len(attention_runs.recorded_shapes())
+    return builds, cases, shapes
 
 
 def main():
@@ -60,7 +64,6 @@ def main():
     parser.add_argument("--passes", type=int, default=2, help="sets of 20 new plans")
     args = parser.parse_args()
     device = torch.device("cuda")
-    default = attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE
     rng = random.Random(1)
     plans = [_random_uneven_plan(args.seq_len, rng) for _ in range(20 * args.passes)]
     names = args.policies.split(",")
@@ -70,17 +73,10 @@ def main():
     sets = " | ".join(f"plans {20 * i + 1}-{20 * i + 20}" for i in range(args.passes))
     print(f"| policy | graph builds: {sets} | recorded shapes |")
     print("|---|" + "---|" * (args.passes + 1))
-    try:
-        for name in names:
-            builds, cases = cases_at(policies[name], plans, device, args.timed)
-            built[name] = cases
-            print(
-                f"| {name} | {' | '.join(map(str, builds))} | "
-                f"{len(attention_runs.recorded_shapes())} |",
-                flush=True,
-            )
-    finally:
-        attention_runs.SHAPE_BUCKETS, attention_runs.SHAPE_REUSE = default
+    for name in names:
+        builds, cases, shapes = cases_at(policies[name], plans, device, args.timed)
+        built[name] = cases
+        print(f"| {name} | {' | '.join(map(str, builds))} | {shapes} |", flush=True)
     # Every graph any policy used is still cached (keyed by shape), so the timing builds none.
     print(
         f"\n| plan | entries | {ref} shape (batch, max_q, max_kv) | "

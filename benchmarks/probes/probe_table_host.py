@@ -15,38 +15,30 @@ warm-ups, in milliseconds:
   queued matmuls (as at a model's first attention layer): whether any step waits for the GPU.
 
 Each case runs twice: on one intra-op thread (``serial``, the library's default,
-``attention_runs.serial_tables``) and on torch's intra-op threads (``threads``).
+``AttentionSettings.serial_host_ops``) and on torch's intra-op threads (``threads``).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/probe_table_host.py [--reps 20]
 """
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "benchmarks")
 from bench_attention import _sequence, cases  # noqa: E402
+from timing import time_ms  # noqa: E402
 
-from megatron.context_parallel import attention_runs  # noqa: E402
-from megatron.context_parallel.attention_blocks import build_attention_tables  # noqa: E402
-from megatron.context_parallel.attention_runs import INT32_TABLES, AttentionRuns  # noqa: E402
+from megatron.context_parallel.attention.blocks import build_attention_tables  # noqa: E402
+from megatron.context_parallel.attention.runs import INT32_TABLES, AttentionRuns  # noqa: E402
+from megatron.context_parallel.attention.settings import attention_settings  # noqa: E402
 
 dev = torch.device("cuda")
 
 
 def median_ms(fn, reps):
-    times = []
-    for i in range(reps + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median ms of ``fn()`` after two warm-ups, the GPU drained before and after each call."""
+    return time_ms(fn, dev, reps, 2, clock="host")
 
 
 def probe(plan, rank, seq, reps, busy_work):
@@ -63,15 +55,15 @@ def probe(plan, rank, seq, reps, busy_work):
         row["copy"] = median_ms(lambda: pinned.to(dev, non_blocking=True), reps)
     row["build + on"] = median_ms(lambda: build_attention_tables(plan, rank, seq).on(dev), reps)
     row["on"] = row["build + on"] - row["build"]
-    busy = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        busy_work()
-        t0 = time.perf_counter()
-        build_attention_tables(plan, rank, seq).on(dev)
-        busy.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    row["busy"] = statistics.median(busy)
+    # Host time alone (no synchronisation after) while the GPU runs the queued matmuls.
+    row["busy"] = time_ms(
+        lambda: build_attention_tables(plan, rank, seq).on(dev),
+        dev,
+        reps,
+        0,
+        clock="launch",
+        before=busy_work,
+    )
     row["layout"] = "runs" if isinstance(tables, AttentionRuns) else "blocks"
     return row
 
@@ -92,8 +84,8 @@ def main():
     print("|---|---|---|" + "---:|" * len(keys))
     for name, plan, rank, cu in cases(args.seq_len):
         for serial in (False, True):
-            attention_runs.serial_tables = serial
-            row = probe(plan, rank, _sequence(plan.seq_len, cu), args.reps, busy_work)
+            with attention_settings(serial_host_ops=serial):
+                row = probe(plan, rank, _sequence(plan.seq_len, cu), args.reps, busy_work)
             cells = [f"{row[k]:.3f}" if k in row else "-" for k in keys]
             mode = "serial" if serial else "threads"
             print(f"| {name} | {row['layout']} | {mode} | " + " | ".join(cells) + " |", flush=True)

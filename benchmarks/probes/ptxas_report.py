@@ -1,11 +1,11 @@
 """Registers, spills and shared memory of the Gluon head kernels for Hopper, without a GPU.
 
 Each kernel is compiled for sm_90a through the installed Triton with the arguments its launcher
-builds (``_vocab_gluon.compile_only``; ``tests/_gluon_target.py`` stands in for the device),
-then assembled by the ptxas that ships with Triton (``-v``). Spills in a consumer partition
-cost the epilogue local-memory traffic; this is how the top-k kernel came to keep its running
-top-k in shared memory (RESULTS.md "Session 12"). Use the Triton version of the GPU machine
-(3.6 there): spills differ between versions.
+builds (``head.vocab_gluon.compile_only``; ``tests/_gluon_target.py`` stands in for the
+device), then assembled by the ptxas that ships with Triton (``-v``). Spills in a consumer
+partition cost the epilogue local-memory traffic; this is how the top-k kernel came to keep its
+running top-k in shared memory. Use the Triton version of the GPU machine (3.6 there): spills
+differ between versions.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/ptxas_report.py [--k 1,5,20,32,64]
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
 from _gluon_target import hopper_target  # noqa: E402
 
-from megatron.context_parallel import _vocab_gluon as gluon  # noqa: E402
+from megatron.context_parallel.head import vocab_gluon as gluon  # noqa: E402
 
 
 def assemble(compiled) -> dict:
