@@ -1,5 +1,5 @@
 # Image for H200 (Hopper, sm_90) nodes: NGC PyTorch + megatron-core + megatron-context-parallel
-# with its CUDA row kernels.
+# with its CUDA row kernels and its attention extra (the cuDNN frontend of the fused attention).
 #
 # Build (no GPU needed; the kernels compile with the base image's nvcc):
 #   docker build -t megatron-cp .
@@ -37,10 +37,14 @@ COPY megatron ./megatron
 COPY docker ./docker
 COPY examples ./examples
 
-RUN bash docker/install.sh --megatron-core "megatron-core==${MEGATRON_CORE_VERSION}" --require-cuda
+# --extras attention: the package's `attention` extra (setup.py names it: the cuDNN frontend),
+# installed with its own dependencies while the base image's torch, TE, apex and flash-attn stay.
+RUN bash docker/install.sh --megatron-core "megatron-core==${MEGATRON_CORE_VERSION}" --require-cuda \
+    --extras attention
 
 # Last step: the build fails unless the compiled extension loads (and, when the builder has a
 # GPU, unless its kernels match the torch reference exactly). A step of its own on purpose, so a
 # failing smoke test names itself in the build log.
 # hadolint ignore=DL3059
-RUN python docker/smoke.py --require-cuda --expect-megatron-core "${MEGATRON_CORE_VERSION}"
+RUN python docker/smoke.py --require-cuda --require-attention \
+    --expect-megatron-core "${MEGATRON_CORE_VERSION}"

@@ -1,10 +1,20 @@
 """Build and install ``megatron-context-parallel``.
 
-Install with the torch you already have, never in an isolated build environment (pip would
-otherwise fetch a separate, CUDA-enabled torch just to build against):
+Python 3.12 or later: megatron-core 0.19.2, which this package needs, declares Requires-Python
+>= 3.12, so ``python_requires`` says the same (``make check-user-install`` installs into a fresh
+3.12 venv and checks that 3.11 is refused). Three ways in:
 
-    pip install --no-build-isolation -e .          # development
-    pip install --no-build-isolation .             # regular install
+    pip install .                                  # a fresh environment: pip brings torch,
+    pip install ".[attention]"                     #   megatron-core (and the cuDNN frontend)
+    pip install --no-build-isolation ".[attention]"    # over the torch you have
+
+A plain ``pip install .`` builds in pip's isolated build environment, which has no torch: the
+result is the pure-Python install (both compiled parts below fall back to torch). Installing
+with ``--no-build-isolation`` into an environment that already has torch (and setuptools and
+wheel, and a C++ compiler; nvcc and ``CUDA_HOME`` for the kernels) builds them against that
+torch. The development checkouts and CI (Python 3.11 machines) install with
+``scripts/install_dev.sh``, through ``docker/install.sh``, which below 3.12 adds
+``--ignore-requires-python`` (megatron-core runs on 3.11; only its metadata asks for 3.12).
 
 Two compiled parts, each with a torch fallback at run time:
 
@@ -180,7 +190,8 @@ setup(
     version="0.1.0",
     description="Context parallelism for megatron-core that returns full-sequence outputs",
     packages=find_namespace_packages(include=["megatron.context_parallel*"]),
-    python_requires=">=3.10",
+    # What megatron-core 0.19.2 declares; the 3.11 development path ignores it on purpose.
+    python_requires=">=3.12",
     install_requires=["torch>=2.6", "megatron-core>=0.19.2", "numpy"],
     # The fused attention on GPUs (cuDNN's varlen attention through its Python frontend);
     # without it ContextParallelAttention runs the dense computation. CPU installs need none.

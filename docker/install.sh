@@ -17,6 +17,9 @@
 #   --require-cuda         build the CUDA extension or fail (MCP_FORCE_CUDA_BUILD=1)
 #   --no-cuda              pure-Python install (MCP_SKIP_CUDA_BUILD=1)
 #   --editable             editable install (development checkouts)
+#   --extras LIST          also install these extras' requirements (comma-separated, e.g.
+#                          attention), read from the installed package's metadata, with their
+#                          own dependencies but the protected versions pinned
 #   -h, --help             this text
 # Without --require-cuda / --no-cuda, setup.py decides (torch with CUDA and nvcc -> build).
 # TORCH_CUDA_ARCH_LIST defaults to 9.0 (H100 / H200).
@@ -31,6 +34,7 @@ wheel_dir=""
 skip_mcore=0
 cuda_mode="auto"
 editable=0
+extras=""
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "install.sh: $*" >&2; exit 1; }
@@ -44,6 +48,7 @@ while [[ $# -gt 0 ]]; do
     --require-cuda) cuda_mode="require"; shift ;;
     --no-cuda) cuda_mode="skip"; shift ;;
     --editable) editable=1; shift ;;
+    --extras) extras="${2:?--extras needs a value}"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
@@ -82,11 +87,35 @@ else
   "${mcore_pip[@]}" "$mcore_spec"
 fi
 
+# The package declares Requires-Python >= 3.12 (megatron-core's); below 3.12 (the CPU CI
+# machines' 3.11, the development path) it is installed all the same, like megatron-core.
+pkg_pip=("${pip[@]}" --no-build-isolation)
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  echo "== Python below 3.12: megatron-context-parallel with --ignore-requires-python (development)"
+  pkg_pip+=(--ignore-requires-python)
+fi
+
 echo "== megatron-context-parallel from $root (cuda: $cuda_mode, arch list $TORCH_CUDA_ARCH_LIST)"
 if [[ $editable -eq 1 ]]; then
-  "${pip[@]}" --no-build-isolation -e "$root"
+  "${pkg_pip[@]}" -e "$root"
 else
-  "${pip[@]}" --no-build-isolation "$root"
+  "${pkg_pip[@]}" "$root"
+fi
+
+if [[ -n "$extras" ]]; then
+  # --no-deps above dropped the extras' requirements too; setup.py names them, the metadata
+  # carries them. They come with their dependencies, the protected versions held as they are.
+  reqs_text="$("$python" "$here/extra_requirements.py" megatron-context-parallel "$extras")"
+  extra_reqs=()
+  [[ -z "$reqs_text" ]] || mapfile -t extra_reqs <<<"$reqs_text"
+  echo "== extras $extras: ${extra_reqs[*]:-(none)}"
+  if [[ ${#extra_reqs[@]} -gt 0 ]]; then
+    held="$(mktemp)"
+    [[ "$before" == "(none installed)" ]] || echo "$before" >"$held"
+    "$python" -m pip install --no-cache-dir --disable-pip-version-check --constraint "$held" \
+      "${extra_reqs[@]}"
+    rm -f "$held"
+  fi
 fi
 
 after="$("$python" "$here/protected_versions.py")"

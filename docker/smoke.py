@@ -13,11 +13,14 @@ Checks, in order, and reports every failure before exiting non-zero:
    torch fallback's warning is an error.
 4. With ``--expect-megatron-core VERSION``: megatron-core is that version and the package's
    megatron-core integration (the CP attention) imports.
+5. With ``--require-attention``: the ``attention`` extra is there, i.e. the cuDNN frontend of the
+   fused attention imports and loads cuDNN (no GPU needed for that).
 
 A Docker build has no GPU, so there only 1, 2 and 4 run; the image's first run on a node (or
 ``python docker/smoke.py --require-cuda`` on a GPU machine) covers 3.
 
-Usage: python docker/smoke.py [--require-cuda] [--expect-megatron-core VERSION]
+Usage: python docker/smoke.py [--require-cuda] [--require-attention]
+                              [--expect-megatron-core VERSION]
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _reference_gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _row_op_cases(device: torch.device) -> List[tuple]:
     """(name, result, expected) triples for gather_rows / scatter_rows on ``device``."""
-    from megatron.context_parallel import ops
+    from megatron.context_parallel.comm import row_ops as ops
 
     gen = torch.Generator().manual_seed(0)
     cases = []
@@ -106,6 +109,11 @@ def main(argv=None) -> int:
         metavar="VERSION",
         help="fail unless this megatron-core version is installed and the integration imports",
     )
+    parser.add_argument(
+        "--require-attention",
+        action="store_true",
+        help="fail unless the attention extra (the cuDNN frontend) imports and loads cuDNN",
+    )
     args = parser.parse_args(argv)
     failures: List[str] = []
 
@@ -115,7 +123,8 @@ def main(argv=None) -> int:
     )
     try:
         import megatron.context_parallel as mcp
-        from megatron.context_parallel import _extension, ops
+        from megatron.context_parallel import _extension
+        from megatron.context_parallel.comm import row_ops as ops
     except Exception as exc:  # noqa: BLE001
         print(f"smoke: FAILED: the package does not import: {type(exc).__name__}: {exc}")
         return 1
@@ -158,11 +167,28 @@ def main(argv=None) -> int:
         if found != args.expect_megatron_core:
             failures.append(f"megatron-core {args.expect_megatron_core} expected, found {found}")
         try:
-            import megatron.context_parallel.attention  # noqa: F401
+            import megatron.context_parallel.attention.layers  # noqa: F401
         except Exception as exc:  # noqa: BLE001
             failures.append(f"the megatron-core integration does not import: {exc}")
         else:
             print(f"  megatron-core {found}: integration imports")
+
+    if args.require_attention:
+        try:
+            from megatron.context_parallel.attention import cudnn as cudnn_backend
+
+            frontend = cudnn_backend._cudnn()
+        except Exception as exc:  # noqa: BLE001
+            frontend, why = None, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "the cudnn module does not import or cuDNN does not load"
+        if frontend is None:
+            failures.append(f"the attention extra is required but its frontend is missing: {why}")
+        else:
+            print(
+                f"  attention extra: cuDNN frontend {getattr(frontend, '__version__', '?')}, "
+                f"cuDNN {frontend.backend_version()}"
+            )
 
     if failures:
         print("smoke: FAILED")
