@@ -180,7 +180,7 @@ def train(args, device: torch.device) -> None:
     ps.destroy_model_parallel()
 
     common.say("")
-    common.say("step 1, per-sample mean completion log-prob: flat / tree")
+    common.say("first step, per-sample mean completion log-prob: flat / tree")
     worst_lp = 0.0
     for i, (a, b) in enumerate(zip(flat_first, tree_first)):
         worst_lp = max(worst_lp, (a - b).abs().max().item())

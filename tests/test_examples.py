@@ -146,6 +146,25 @@ def _pretrain_rows(out: str) -> list:
 
 
 @pytest.mark.slow
+def test_grpo_tree_at_cp2_matches_flat_packing():
+    result = _run("grpo_tree_cp.py", "--cp", "2", "--steps", "2")
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    samples = re.findall(r"sample +\d+: +(-?[\d.]+) +(-?[\d.]+)", out)
+    assert len(samples) == 8, out  # 2 prompts x 4 completions, as the flat sample has them
+    for flat, tree in samples:
+        assert abs(float(flat) - float(tree)) <= 1e-4, (flat, tree)
+        assert -10 < float(flat) < 0, flat  # a real mean log-prob over a 128-token vocabulary
+    rows = _table(out, "step")
+    assert [r[0] for r in rows] == ["1", "2"], out
+    for r in rows:
+        assert abs(float(r[1]) - float(r[2])) <= 1e-4, r
+    match = re.search(r"tokens per step: tree (\d+), flat (\d+)", out)
+    assert match and int(match.group(1)) < int(match.group(2)), out
+    assert "grpo_tree_cp: PASSED" in out
+
+
+@pytest.mark.slow
 def test_pretrain_pp2_cp2_matches_cp1_and_plots(tmp_path):
     png = tmp_path / "loss.png"
     args = ["--train-iters", "3"]
