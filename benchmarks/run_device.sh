@@ -77,14 +77,14 @@ if [[ "$mode" == head || "$mode" == topk ]]; then
   fi
   if [[ "$mode" == head ]]; then
     echo "== head benchmark"
-    timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --reps "${BENCH_REPS:-3}" \
+    timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/head/bench_head.py --reps "${BENCH_REPS:-3}" \
       --warmup 1 ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --out "$out" 2>&1 \
       | tee "$out/head_bench.log" | tail -n 40
   fi
   case "$mode" in
     topk)
       echo "== top-k sweep"
-      timeout "${SWEEP_TIMEOUT:-240}" "$py" benchmarks/bench_head.py --sweep --sweep-only \
+      timeout "${SWEEP_TIMEOUT:-240}" "$py" benchmarks/head/bench_head.py --sweep --sweep-only \
         --sweep-kernels fwd_topk --reps 6 --out "$out" 2>&1 | tee "$out/topk_sweep.log" \
         | tail -n 30
       ;;
@@ -108,7 +108,7 @@ if [[ "$mode" == gluon-topk ]]; then
     | tail -n 50
   echo "== head benchmark"
   methods=ours,ours+top20,ours+top20/triton,ours@1024,cublas-floor,naive,liger,cce
-  timeout "${BENCH_TIMEOUT:-260}" "$py" benchmarks/bench_head.py --reps "${BENCH_REPS:-9}" \
+  timeout "${BENCH_TIMEOUT:-260}" "$py" benchmarks/head/bench_head.py --reps "${BENCH_REPS:-9}" \
     --warmup 1 --methods "${BENCH_METHODS:-$methods}" --out "$out" 2>&1 \
     | tee "$out/head_bench.log" | tail -n 45
   exit 0
@@ -130,7 +130,7 @@ if [[ "$mode" == attention ]]; then
     "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$out/attention_tests.log" | tail -n 15
   echo "== attention benchmark"
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of options
-  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench_attention.py \
+  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/attention/bench_attention.py \
     ${BENCH_ARGS:---compare-layouts --reps 3} --out "$out" 2>&1 \
     | tee "$out/bench_attention.log" | tail -n 30
   exit 0
@@ -149,7 +149,7 @@ if [[ "$mode" == gdn ]]; then
     -p no:cacheprovider 2>&1 | tee "$out/gdn_tests.log" | tail -n 15
   echo "== GDN benchmark"
   # shellcheck disable=SC2086 # GDN_BENCH_ARGS is a list of options
-  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench_gdn.py ${GDN_BENCH_ARGS:-} 2>&1 \
+  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/mixers/bench_gdn.py ${GDN_BENCH_ARGS:-} 2>&1 \
     | tee "$out/gdn_bench.log" | tail -n 16
   exit 0
 fi
@@ -161,7 +161,7 @@ if [[ "$mode" == head-sweep ]]; then
   timeout 150 "$py" -m pytest tests/comm/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$out/no_hang.log" | tail -n 8
   echo "== head schedule sweep"
-  timeout 330 "$py" benchmarks/bench_head.py --sweep --sweep-only --reps 4 --out "$out" 2>&1 \
+  timeout 330 "$py" benchmarks/head/bench_head.py --sweep --sweep-only --reps 4 --out "$out" 2>&1 \
     | tee "$out/head_sweep.log" | tail -n 60
   echo "== head GPU tests"
   timeout 200 "$py" -m pytest tests/head/test_vocab_ops_cuda.py -q -x -rs -p no:cacheprovider 2>&1 \
@@ -178,12 +178,12 @@ if [[ "$mode" == head-and-errors ]]; then
   timeout 150 "$py" -m pytest tests/comm/test_no_hang.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$out/no_hang.log" | tail -n 8
   echo "== exchange cost"
-  timeout 90 "$py" benchmarks/bench_exchange.py --backend nccl --device cuda 2>&1 \
+  timeout 90 "$py" benchmarks/comm/bench_exchange.py --backend nccl --device cuda 2>&1 \
     | tee "$out/exchange_nccl.log" | tail -n 8
-  timeout 120 "$py" benchmarks/bench_exchange.py --backend gloo --device cuda --world 2 \
+  timeout 120 "$py" benchmarks/comm/bench_exchange.py --backend gloo --device cuda --world 2 \
     --reps 100 2>&1 | tee "$out/exchange_gloo.log" | tail -n 9
   echo "== head benchmark"
-  timeout 150 "$py" benchmarks/bench_head.py --reps 3 --warmup 1 --out "$out" 2>&1 \
+  timeout 150 "$py" benchmarks/head/bench_head.py --reps 3 --warmup 1 --out "$out" 2>&1 \
     | tee "$out/head_bench.log" | tail -n 40
   exit 0
 fi
@@ -261,7 +261,7 @@ fi
 if [[ "$mode" != build-test && "$mode" != tune ]]; then
   echo "== benchmark"
   start=$SECONDS
-  timeout 300 "$py" benchmarks/bench_kernels.py --json "$out/bench.json" --markdown "$out/bench.md" \
+  timeout 300 "$py" benchmarks/comm/bench_kernels.py --json "$out/bench.json" --markdown "$out/bench.md" \
     2>&1 | tee "$out/bench.log" | tail -n 60
   echo "bench: $((SECONDS - start)) s"
 fi
@@ -270,7 +270,7 @@ if [[ "$mode" == all || "$mode" == tune ]]; then
   echo "== tuning: most threads per row (hidden states CP 4 and logits, kernel only)"
   for t in 32 64 128 256; do
     echo "-- --max-threads-per-row $t"
-    timeout 120 "$py" benchmarks/bench_kernels.py --quick --with-logits --ours-only --reps 200 \
+    timeout 120 "$py" benchmarks/comm/bench_kernels.py --quick --with-logits --ours-only --reps 200 \
       --max-threads-per-row "$t" 2>&1 | grep scatter_rows
   done 2>&1 | tee "$out/tune.log"
 fi

@@ -17,8 +17,9 @@ the same thing whichever script printed it:
   CUDA caching allocator; on CPU the profiler's allocation events).
 * :func:`gpu_sleep`: queue calibrated milliseconds of GPU spinning, so the host runs ahead.
 
-Scripts import it as ``timing`` (``benchmarks/`` on ``sys.path``: running a script there puts it
-first; the probes insert it).
+Scripts import it as ``timing``: each one, in its subsystem's folder (``comm/``, ``attention/``,
+``head/``, ``mixers/``, ``models/``) or in ``probes/``, puts ``benchmarks/`` and the repository
+root on ``sys.path`` itself, so it runs from any directory.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Watches which rows the forward's grouped top-k hands back for selection over every element.
 
-Shared by the CUDA tests, the interpreter test and ``benchmarks/bench_head.py``. It wraps the
+Shared by the CUDA tests, the interpreter test and ``benchmarks/head/bench_head.py``. It wraps the
 module's ``_reselect_into``, so it depends on that internal name and signature on purpose:
 ``_reselect_into(hidden, weight, redo, values, ids, k, slots, cfg)`` returns an int32 ``[1]``
 device tensor, how many rows it selected again.

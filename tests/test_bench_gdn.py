@@ -1,4 +1,4 @@
-"""Keeps benchmarks/bench_gdn.py runnable (tiny, on CPU) and its pieces the module's own."""
+"""Keeps benchmarks/mixers/bench_gdn.py runnable (tiny, on CPU) and its pieces the module's own."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from _dist import run_distributed
 
 pytest.importorskip("fla", reason="megatron-core builds GatedDeltaNet only with fla installed")
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gdn.py"
+_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "mixers" / "bench_gdn.py"
 
 
 def _smoke(rank, world_size):

@@ -1,4 +1,4 @@
-"""Keeps benchmarks/bench_tree.py runnable: tiny, on CPU, in its own process, as users run it.
+"""Keeps benchmarks/models/bench_tree.py runnable as users run it: tiny, on CPU, own process.
 
 As in ``test_benchmarks.py`` the script is started with ``PYTHONPATH`` at the repository root
 and judged by its exit status and what it writes (``bench_tree.json`` and ``bench_tree.md``).
@@ -33,7 +33,7 @@ def _run(args, timeout=600):
 def test_bench_tree_tiny_on_cpu(tmp_path):
     # megatron-core builds GatedDeltaNet layers only with fla installed.
     hybrid = importlib.util.find_spec("fla") is not None
-    args = ["benchmarks/bench_tree.py", "--tiny", "--batches", ",".join(_BATCHES)]
+    args = ["benchmarks/models/bench_tree.py", "--tiny", "--batches", ",".join(_BATCHES)]
     args += ["--out", str(tmp_path)] + ([] if hybrid else ["--no-hybrid"])
     _run(args)
     results = json.loads((tmp_path / "bench_tree.json").read_text())

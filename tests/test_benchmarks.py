@@ -40,7 +40,7 @@ def test_bench_gather_check_only(ranks):
             "--standalone",
             "--nproc-per-node",
             str(ranks),
-            "benchmarks/bench_gather.py",
+            "benchmarks/comm/bench_gather.py",
             "--device",
             "cpu",
             "--check-only",
@@ -54,7 +54,7 @@ def test_bench_gather_check_only(ranks):
 def test_bench_head_cpu_smoke(tmp_path):
     _run(
         [
-            "benchmarks/bench_head.py",
+            "benchmarks/head/bench_head.py",
             "--device",
             "cpu",
             "--shapes",
@@ -98,7 +98,7 @@ def test_bench_attention_tables_only_on_the_cpu():
     names = ("zigzag", "contiguous", "uneven", "THD", "random")
     out = _run(
         [
-            "benchmarks/bench_attention.py",
+            "benchmarks/attention/bench_attention.py",
             "--tables-only",
             "--sizes",
             "4096",

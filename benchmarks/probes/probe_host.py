@@ -23,6 +23,7 @@ and the whole cold call of an empty autograd Function, an empty custom op and on
 import argparse
 import cProfile
 import io
+import pathlib
 import pstats
 import statistics
 import sys
@@ -30,8 +31,9 @@ import time
 
 import torch
 
-sys.path.insert(0, "benchmarks")
-sys.path.insert(0, "tests")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
 from _vocab_ref import IGNORE, shard_logprobs  # noqa: E402
 from timing import gpu_sleep, time_ms  # noqa: E402
 

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "attention"))
 
 from bench_attention import DIM, HEADS, Case, cases, extra_peak  # noqa: E402
 from timing import time_round_robin  # noqa: E402

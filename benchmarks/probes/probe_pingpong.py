@@ -21,11 +21,14 @@ lead so that its launches queue as in a training step.
 """
 
 import argparse
+import pathlib
 import sys
 
 import torch
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "head"))
 
 from bench_head import dlogits_inputs  # noqa: E402
 from timing import gpu_sleep, time_round_robin  # noqa: E402

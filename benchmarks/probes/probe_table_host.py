@@ -21,11 +21,14 @@ Each case runs twice: on one intra-op thread (``serial``, the library's default,
 """
 
 import argparse
+import pathlib
 import sys
 
 import torch
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "attention"))
 from bench_attention import _sequence, cases  # noqa: E402
 from timing import time_ms  # noqa: E402
 

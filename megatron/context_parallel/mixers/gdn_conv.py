@@ -20,10 +20,11 @@ input dtype as fla rounds it); the weight and bias gradients are summed over oth
 ``tests/mixers/test_gdn_cuda.py`` holds all four within bf16 rounding of fla's on reordered rows,
 and ``tests/mixers/test_gdn_conv_interpret.py`` checks the kernels against plain torch on CPU.
 
-Measured (H100, S = 20,436, Qwen3.5-27B's GDN shape at CP 2, ``benchmarks/bench_gdn.py``): 1.92-
-2.00 ms forward+backward against 2.39-2.43 for fla's on rows already in order (forward equal;
-the backward writes the input gradient into the received rows' gradient, where fla's goes
-through the slice's backward), and no reorder of 0.35 ms before it.
+Measured (H100, S = 20,436, Qwen3.5-27B's GDN shape at CP 2,
+``benchmarks/mixers/bench_gdn.py``): 1.92-2.00 ms forward+backward against 2.39-2.43 for fla's on
+rows already in order (forward equal; the backward writes the input gradient into the received
+rows' gradient, where fla's goes through the slice's backward), and no reorder of 0.35 ms before
+it.
 """
 
 from __future__ import annotations

@@ -19,27 +19,34 @@ Modes:
 
 Run (repository root):
 
-    PYTHONPATH=. python benchmarks/bench_exchange.py --backend gloo --device cpu --world 2
-    PYTHONPATH=. python benchmarks/bench_exchange.py --backend nccl --device cuda
+    PYTHONPATH=. python benchmarks/comm/bench_exchange.py --backend gloo --device cpu --world 2
+    PYTHONPATH=. python benchmarks/comm/bench_exchange.py --backend nccl --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import socket
+import sys
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from timing import sync, time_ms, time_round_robin
 
-from megatron.context_parallel import (
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
+
+from timing import sync, time_ms, time_round_robin  # noqa: E402
+
+from megatron.context_parallel import (  # noqa: E402
     ContextParallelPlan,
     gather_from_context_parallel_region,
 )
-from megatron.context_parallel.comm import groups, mappings
+from megatron.context_parallel.comm import groups, mappings  # noqa: E402
 
 
 class _NoExchange:

@@ -44,8 +44,8 @@ raises is recorded (``errors`` in the JSON, a Notes list in the tables), the oth
 and the script exits 1. With Triton < 3.7.1 on Hopper, fla refuses its gated backward: the GDN
 rows then say so unless ``--lift-fla-hopper-guard`` is given (times only, as ``bench_gdn.py``).
 
-Usage: python benchmarks/bench_tree.py [--reps 5] [--out DIR]
-       python benchmarks/bench_tree.py --tiny --out DIR          # CPU smoke
+Usage: python benchmarks/models/bench_tree.py [--reps 5] [--out DIR]
+       python benchmarks/models/bench_tree.py --tiny --out DIR          # CPU smoke
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(_HERE))
-sys.path.insert(1, str(_HERE.parent))
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
 
 from timing import GiB, extra_peak_bytes, time_round_robin  # noqa: E402
 

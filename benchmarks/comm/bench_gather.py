@@ -59,9 +59,9 @@ buffer when there are several fields).
 
 Run (from the repository root):
 
-    PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/bench_gather.py --device cpu \\
-        --reps 5 --warmup 1 --sweep --plot benchmarks/gather_cpu_gloo.png
-    PYTHONPATH=. torchrun --nproc-per-node 4 benchmarks/bench_gather.py --device cuda --sweep
+    PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/comm/bench_gather.py --device cpu \\
+        --reps 5 --warmup 1 --sweep --plot benchmarks/comm/gather_cpu_gloo.png
+    PYTHONPATH=. torchrun --nproc-per-node 4 benchmarks/comm/bench_gather.py --device cuda --sweep
 
 ``--check-only`` runs the correctness check alone (``check_approaches``); tests/test_benchmarks.py
 runs it on 2 gloo ranks.
@@ -75,6 +75,7 @@ import gc
 import json
 import math
 import os
+import pathlib
 import platform
 import statistics
 import sys
@@ -86,11 +87,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
-from timing import extra_peak_bytes, samples_ms, sync
 
-from megatron.context_parallel.comm.groups import all_gather_into
-from megatron.context_parallel.comm.mappings import gather_from_context_parallel_region
-from megatron.context_parallel.comm.plan import ContextParallelPlan
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
+
+from timing import extra_peak_bytes, samples_ms, sync  # noqa: E402
+
+from megatron.context_parallel.comm.groups import all_gather_into  # noqa: E402
+from megatron.context_parallel.comm.mappings import (  # noqa: E402
+    gather_from_context_parallel_region,
+)
+from megatron.context_parallel.comm.plan import ContextParallelPlan  # noqa: E402
 
 FULL_ROWS = 20_436
 HIDDEN = 5_120
@@ -664,7 +672,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "RANK" not in os.environ:
         print(
             "launch with torchrun, e.g. PYTHONPATH=. torchrun --nproc-per-node 2 "
-            "benchmarks/bench_gather.py --device cpu",
+            "benchmarks/comm/bench_gather.py --device cpu",
             file=sys.stderr,
         )
         return 2
@@ -731,7 +739,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"scale {args.scale:g}, median of >= {args.reps} reps (>= {args.min_seconds:g} s "
             f"per approach, <= {args.max_reps}) after {args.warmup} warm-up, {when}"
         )
-        command = "torchrun --nproc-per-node {} benchmarks/bench_gather.py {}".format(
+        command = "torchrun --nproc-per-node {} benchmarks/comm/bench_gather.py {}".format(
             cp, " ".join(argv if argv is not None else sys.argv[1:])
         )
         text = "\n\n".join(

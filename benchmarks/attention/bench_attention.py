@@ -46,11 +46,13 @@ device, tree=tree).runs`` (``TreeTables``; their time includes ``for_plan``), th
 causal SDPA over one sequence of the tree's length per visible pair, times the tree's visible
 pairs.
 
-Usage: python benchmarks/bench_attention.py [--sizes 20436,131072] [--reps 5] [--no-flex]
-                                            [--model [--model-reps 8]] [--out DIR]
-       python benchmarks/bench_attention.py --named [--tree] [--cases NAME,...] [--no-flex]
-       python benchmarks/bench_attention.py --tables-only [--sizes ...] [--reps 20] [--named]
-                                            [--tree]
+Usage: python benchmarks/attention/bench_attention.py [--sizes 20436,131072] [--reps 5]
+                                                      [--no-flex] [--model [--model-reps 8]]
+                                                      [--out DIR]
+       python benchmarks/attention/bench_attention.py --named [--tree] [--cases NAME,...]
+                                                      [--no-flex]
+       python benchmarks/attention/bench_attention.py --tables-only [--sizes ...] [--reps 20]
+                                                      [--named] [--tree]
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ import time
 
 import torch
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
 
 from timing import GiB, extra_peak_bytes, samples_ms, time_ms, time_round_robin  # noqa: E402
 

@@ -37,7 +37,7 @@ backward slices (the precision rule at a small chunk setting).
 the fastest (printed as a table). Peers that do not import are skipped with a note. Prints a
 markdown table last; writes ``bench_head.json`` / ``bench_head.md`` to ``--out`` (or $OUT).
 
-Usage: python benchmarks/bench_head.py [--shapes 8192x151936,...] [--sweep] [--reps 5]
+Usage: python benchmarks/head/bench_head.py [--shapes 8192x151936,...] [--sweep] [--reps 5]
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ import time
 
 import torch
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
 sys.path.insert(0, str(_ROOT / "tests"))  # the reference Function lives beside the tests
 
 from _vocab_ref import IGNORE, shard_logprobs  # noqa: E402

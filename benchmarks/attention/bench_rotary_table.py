@@ -19,23 +19,30 @@ Wall time per call with the GPU drained after each (host work, the pinned copy a
 all count: ``timing.time_ms``'s host clock), median of ``--reps`` calls. A stand-in CP group
 (``size()`` / ``rank()``) feeds megatron's slice, so one GPU is enough.
 
-    python benchmarks/bench_rotary_table.py --seq-len 20436
+    python benchmarks/attention/bench_rotary_table.py --seq-len 20436
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 
 import torch
-from timing import time_ms
 
-from megatron.context_parallel.attention.rotary import (
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
+
+from timing import time_ms  # noqa: E402
+
+from megatron.context_parallel.attention.rotary import (  # noqa: E402
     rotary_at_positions,
     rotary_table_length,
     skip_marked_tables,
     skip_table_length,
 )
-from megatron.context_parallel.comm.plan import ContextParallelPlan
+from megatron.context_parallel.comm.plan import ContextParallelPlan  # noqa: E402
 
 
 class _StandInGroup:

@@ -6,7 +6,7 @@ time only (no Python launch gaps). Each case warms up, then times many calls rot
 input sets that the inputs of consecutive calls never share L2 (60 MB on an H200), and reports
 the median. GB/s counts bytes read plus bytes written (index reads included), like the copy.
 
-Usage: python benchmarks/bench_kernels.py [--reps N] [--json PATH] [--markdown PATH]
+Usage: python benchmarks/comm/bench_kernels.py [--reps N] [--json PATH] [--markdown PATH]
        [--quick] [--with-logits] [--ours-only] [--max-threads-per-row T]
 
 ``--max-threads-per-row`` passes the kernel's tuning knob to every ``scatter_rows`` call (the
@@ -20,13 +20,19 @@ import argparse
 import functools
 import json
 import math
+import pathlib
 import sys
 
 import torch
-from timing import kernel_ms
 
-from megatron.context_parallel.comm import row_ops as ops
-from megatron.context_parallel.comm.plan import ContextParallelPlan
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
+
+from timing import kernel_ms  # noqa: E402
+
+from megatron.context_parallel.comm import row_ops as ops  # noqa: E402
+from megatron.context_parallel.comm.plan import ContextParallelPlan  # noqa: E402
 
 REPORT_ROWS, REPORT_HIDDEN = 20436, 5120  # the hidden states of the bug report's input
 L2_BYTES = 60 << 20

@@ -27,7 +27,7 @@ first), then ``--reps`` timed ones; CUDA events on CUDA, ``perf_counter`` on CPU
 
 Run (from the repository root, one GPU, fla-core 0.6.0 and einops installed)::
 
-    python benchmarks/bench_gdn.py
+    python benchmarks/mixers/bench_gdn.py
 
 ``--seq-len``, ``--hidden`` and the head options shrink it (the CPU smoke test does).
 """
@@ -44,7 +44,9 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
 
 from megatron.core.ssm.gated_delta_net import common as _gdn_common  # noqa: E402
 from timing import time_ms  # noqa: E402
