@@ -10,7 +10,8 @@ of ``_megatron_cpu`` for megatron's own attention), fp32, on the same query / ke
 * dropout: in training mode with ``attention_dropout`` 0.5, both draw their dropout mask from
   the same CPU generator state (megatron's inference RNG tracker forks as a no-op on CPU), so the
   outputs agree; the output also differs from the eval-mode output and from the output under
-  another random seed, and over many draws it averages to the eval-mode output (dropout rescales by 1 / (1 - p)).
+  another random seed, and over many draws it averages to the eval-mode output (dropout rescales
+  by 1 / (1 - p)).
 """
 
 from __future__ import annotations
