@@ -100,6 +100,16 @@ def _root_index(tree: PrefixTree) -> Tensor:
     return per_segment[tree.segment_index()]
 
 
+def _calls_of(tables) -> list:
+    """The kernel calls inside a batch's attention tables (their device tables are built on
+    first use, so ``prepare`` builds them too)."""
+    if isinstance(tables, TreeTables):
+        return [tables.own, *tables.levels]
+    if isinstance(tables, AttentionBlocks):
+        return tables.calls()
+    return []
+
+
 def _check_position_ids(position_ids, seq_len: int) -> None:
     if (
         not isinstance(position_ids, Tensor)
@@ -305,6 +315,26 @@ class ContextParallelParams(PackedSeqParams):
                 self.plan, self.rank, self.source_sequence, padding_rows=self.padding_rows
             ),
         )
+
+    def prepare(self, device: Optional[Union[str, torch.device]] = None) -> "ContextParallelParams":
+        """Builds this batch's attention tables now (host) and copies them to ``device``.
+
+        The first attention layer would build them otherwise, on the host while the GPU runs
+        the layers before it. Call this ahead to take that work off the step: in a data-loader
+        thread, or for the next micro-batch while the current one runs. Only the host build runs
+        off the calling thread safely; the device copy (``device``) belongs on the thread that
+        launches the step's kernels. Idempotent: later calls and the layers reuse the tables.
+
+        Returns:
+            ``self``.
+        """
+        tables = self.runs
+        if device is not None:
+            device = torch.device(device)
+            tables.on(device)
+            for call in _calls_of(tables):
+                call.on(device)
+        return self
 
     def allowed(self, causal: bool) -> Tensor:
         """bool ``[rows, cp_size * max_count]``: which slots each local query row may see.

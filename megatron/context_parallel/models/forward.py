@@ -367,6 +367,14 @@ class ContextParallelBatch:
             output_processor=self.output_processor,
         )
 
+    def prepare(self, device=None) -> "ContextParallelBatch":
+        """Builds the batch's attention tables ahead of the forward (see
+        ``ContextParallelParams.prepare``); nothing to do for batches without the package's
+        params (TE, megatron-core's attention). Returns ``self``."""
+        if isinstance(self.packed_seq_params, ContextParallelParams):
+            self.packed_seq_params.prepare(device)
+        return self
+
     @property
     def pipeline_seq_length(self) -> Optional[int]:
         """``seq_length`` for megatron's pipeline schedules, or None when there is none.
