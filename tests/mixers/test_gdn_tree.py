@@ -25,11 +25,11 @@ from __future__ import annotations
 import _megatron_cpu as mc
 import pytest
 import torch
-import torch.nn.functional as F
 from _dist import run_distributed
 
 from megatron.context_parallel.comm.plan import ContextParallelPlan
 from megatron.context_parallel.tree import PrefixTree, tree_plan
+from mixers.test_gdn import _config
 
 pytest.importorskip("fla", reason="megatron-core builds GatedDeltaNet only with fla installed")
 
@@ -74,27 +74,6 @@ def _plan(tree: PrefixTree, cp: int, seed: int, kind: str = "random") -> Context
     shards = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     shards.insert(int(torch.randint(0, cp, (1,), generator=g)), order[:0])  # one empty rank
     return ContextParallelPlan.from_rank_positions(shards, tree.seq_len)
-
-
-def _config(cp: int, shape: dict = SHAPE, dtype: torch.dtype = torch.float32):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        context_parallel_size=cp,
-        use_cpu_initialization=True,
-        params_dtype=dtype,
-        normalization="RMSNorm",
-        activation_func=F.silu,
-        linear_conv_kernel_dim=shape["kernel"],
-        linear_key_head_dim=shape["key_dim"],
-        linear_value_head_dim=shape["value_dim"],
-        linear_num_key_heads=shape["key_heads"],
-        linear_num_value_heads=shape["value_heads"],
-        gradient_accumulation_fusion=False,
-    )
 
 
 def build_layer(cp: int, shape: dict = SHAPE, dtype: torch.dtype = torch.float32, seed: int = 5):
