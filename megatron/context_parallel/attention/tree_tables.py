@@ -104,7 +104,7 @@ class TreeTables(ReadOnlyTables):
         own = AttentionRuns.build(
             plan, rank, segment, padding_rows=padding_rows, shape_buckets=shape_buckets, keys=keys
         )
-        first_key, key_count = _segment_keys(tree, keys, segment)
+        first_key, key_count = _segment_keys(tree, keys)
         levels, level_rows = [], []
         seg_of_row = segment[plan.local_positions(rank)]
         for ancestor in _ancestors_by_depth(tree):
@@ -130,7 +130,6 @@ class TreeTables(ReadOnlyTables):
             level_rows=level_rows,
             compact_slots=compact_slots,
             slot_rows=slot_rows,
-            _device={},
         )
 
     def on(self, device: torch.device) -> DeviceTreeTables:
@@ -142,7 +141,7 @@ class TreeTables(ReadOnlyTables):
             key_rows = own.kv_source if own.materialize else torch.arange(own.mat_rows)
 
             def put(t):
-                return None if t is None else t.to(device, non_blocking=False)
+                return None if t is None else t.to(device)
 
             cached = DeviceTreeTables(
                 level_rows=[put(r) for r in self.level_rows],
@@ -159,10 +158,10 @@ class TreeTables(ReadOnlyTables):
         return f"tree tables: own {self.own.entries} entries; ancestor levels {levels}"
 
 
-def _segment_keys(tree: PrefixTree, keys: CompactKeys, segment: torch.Tensor):
+def _segment_keys(tree: PrefixTree, keys: CompactKeys):
     """(first compact key, owned key count) of every segment, int64 ``[num_segments]``."""
-    key_segment = keys.sequence  # the segment of each compact key (CompactKeys' "sequence")
-    count = torch.bincount(key_segment, minlength=tree.num_segments)
+    # Built with the segments as the sequences, the keys' "sequence" is their segment.
+    count = torch.bincount(keys.sequence, minlength=tree.num_segments)
     first = torch.cumsum(count, 0) - count
     return first, count
 
