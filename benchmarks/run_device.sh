@@ -3,7 +3,7 @@
 #
 # Usage (repo root):
 #   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|head|
-#                             gluon-topk|gdn|attention]
+#                             gluon-topk|gdn|attention|tree]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention | tree) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -133,6 +133,29 @@ if [[ "$mode" == attention ]]; then
   timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/attention/bench_attention.py \
     ${BENCH_ARGS:---compare-layouts --reps 3} --out "$out" 2>&1 \
     | tee "$out/bench_attention.log" | tail -n 30
+  exit 0
+fi
+
+if [[ "$mode" == tree ]]; then
+  # Tree packing: the extension, each tree GPU test file on its own (names and tracebacks kept:
+  # -v, and SIGINT at the time limit so pytest still prints its summary), then bench_tree.py
+  # (TREE_BENCH_ARGS, default --reps 3). fla's gated backward is lifted past its Triton guard
+  # for the GDN tests and rows. Carry .whl. Logs: build.log, tree_tests_*.log, bench_tree.*.
+  carry_wheels
+  export MCP_LIFT_FLA_HOPPER_GUARD=1
+  echo "== build"
+  { time MCP_FORCE_CUDA_BUILD=1 "$py" setup.py build_ext --inplace; } >"$out/build.log" 2>&1
+  tail -n 3 "$out/build.log"
+  for t in attention/test_tree_tables_cuda models/test_tree_forward_cuda mixers/test_gdn_tree_cuda; do
+    echo "== $t"
+    timeout -s INT "${TESTS_TIMEOUT:-150}" "$py" -m pytest "tests/$t.py" -v -rf --tb=short \
+      -p no:cacheprovider 2>&1 | tee "$out/tree_tests_${t##*/}.log" | grep -E "PASS|FAIL|ERROR|Error" | tail -n 20
+  done
+  echo "== tree benchmark"
+  # shellcheck disable=SC2086 # TREE_BENCH_ARGS is a list of options
+  timeout -s INT "${BENCH_TIMEOUT:-300}" "$py" benchmarks/models/bench_tree.py \
+    --lift-fla-hopper-guard ${TREE_BENCH_ARGS:---reps 3} --out "$out" 2>&1 \
+    | tee "$out/bench_tree.log" | grep -v -i warn | tail -n 30
   exit 0
 fi
 
