@@ -253,8 +253,9 @@ class _TreeAttention(torch.autograd.Function):
                 row_ops.gather_rows(q, rows), kv, call, call.on(q.device), scale, True
             )
             o_m, lse_m = sums.merge(o_l, lse_l, o.index_select(0, rows), lse.index_select(0, rows))
-            o = o.index_copy(0, rows, o_m)
-            lse = lse.index_copy(0, rows, lse_m)
+            # In place: o and lse are this forward's own buffers (the kernel's outputs).
+            o.index_copy_(0, rows, o_m)
+            lse.index_copy_(0, rows, lse_m)
         ctx.tables, ctx.kernel, ctx.scale, ctx.deterministic = tables, kernel, scale, deterministic
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(q, kv, o, lse)
