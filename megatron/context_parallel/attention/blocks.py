@@ -54,8 +54,9 @@ from megatron.context_parallel.comm.plan import ContextParallelPlan
 __all__ = ["AttentionBlocks", "DeviceBlocks", "build_attention_tables", "choose_layout"]
 
 DEFAULT_GROUP_ROWS = 128  # a query tile of the kernel: the bulk entries fill whole tiles
-# Local runs from which the layout choice estimates the run tables before building any.
-MANY_RUNS = 64
+# The layout choice builds the run tables first while their key-gradient rows (one copy of a
+# run's keys, from its sequence's start, per run) stay under this many times the keys.
+COPIES_BUILT_FIRST = 2
 DEFAULT_SPAN_BUDGET = 16384  # span rows per diagonal call (H200: 4096 cost 7% at S = 131,072)
 
 
@@ -409,6 +410,16 @@ def _touched_rows(c: AttentionRuns) -> torch.Tensor:
     return torch.arange(int(ends[-1])) + shift
 
 
+def _copied_key_rows(positions: torch.Tensor, keys: CompactKeys) -> int:
+    """An upper bound of the run tables' key-gradient rows for these local rows (in local order):
+    each maximal run of consecutive positions reads its sequence's keys up to its end."""
+    if positions.numel() == 0:
+        return 0
+    last = torch.nonzero(positions[1:] - positions[:-1] != 1).flatten()
+    ends = keys.of_position[torch.cat([positions[last], positions[-1:]])]
+    return int((ends - keys.sequence_start[ends] + 1).sum())
+
+
 def _tile_cost(q_len: torch.Tensor, kv_len: torch.Tensor, causal: bool, tile: int = 128) -> float:
     """Score elements a tiled kernel computes for entries: whole query tiles of ``tile`` rows,
     a causal tile running to the key bound of its last row."""
@@ -455,9 +466,8 @@ def build_attention_tables(
 
     if padding_rows or plan.counts[rank] == 0:
         return runs()
-    positions = plan.local_positions(rank)
-    if int(((positions[1:] - positions[:-1]) != 1).sum()) < MANY_RUNS:
-        # Few runs: their tables are small, and the choice reads them.
+    if _copied_key_rows(plan.local_positions(rank), keys) <= COPIES_BUILT_FIRST * keys.count:
+        # Small run tables: build them, and the choice reads them.
         built = runs()
         q_len, kv_len, work = built.q_len, built.kv_len, built.work
     else:
