@@ -551,3 +551,19 @@ def test_gluon_topk_splits_keep_rows_in_l2_and_balance_the_programs():
     # A few rows: they stay in L2; more splits to fill the device, at most 16.
     assert _vocab_gluon.topk_splits(64, 151936, 132, row_bytes) == 16
     assert _vocab_gluon.topk_splits(1, 10, 132, row_bytes) == 1
+
+
+@pytest.mark.skipif(vocab_ops.vocab_gluon is None, reason="needs Triton's Gluon")
+def test_gluon_tile_configs_change_only_inside_their_scope():
+    gluon = vocab_ops.vocab_gluon
+    default = dict(gluon.TOPK_CONFIG)
+    with pytest.raises(TypeError):
+        gluon.TOPK_CONFIG["BM"] = 8  # read-only outside a scope
+    with gluon.tile_config_scope("topk", BM=8, BN=16) as cfg:
+        assert gluon.TOPK_CONFIG is cfg and (cfg["BM"], cfg["BN"]) == (8, 16)
+        assert cfg["G"] == default["G"]
+    assert dict(gluon.TOPK_CONFIG) == default
+    with pytest.raises(ValueError, match="unknown topk tile settings"):
+        with gluon.tile_config_scope("topk", tile=4):
+            pass
+    assert dict(gluon.TOPK_CONFIG) == default

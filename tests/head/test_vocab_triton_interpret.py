@@ -204,7 +204,7 @@ for name in ("fwd", "fwd_topk", "bwd", "fp32"):
     vo.set_kernel_config(name, BM=16, BN=16, BK=16, warps=4, stages=1)
     tune(name, GROUP=2)
 tune("fwd_topk", grouped=True, passes=2)
-gluon.TOPK_CONFIG.update(BM=8, BN=16, GROUP=2)
+_scopes.enter_context(gluon.tile_config_scope("topk", BM=8, BN=16, GROUP=2))
 seen = {"launches": 0, "idle": 0, "splits": set()}
 
 

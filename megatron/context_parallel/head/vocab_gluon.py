@@ -41,8 +41,10 @@ reports failure instead of raising, and ``vocab_ops`` then keeps the Triton kern
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
+from types import MappingProxyType
 
 import torch
 import triton
@@ -76,10 +78,12 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 # room); row blocks per launch group; registers of the consumer and load partitions, and the
 # kernel's cap, which sets the register file's split: 12 warps x 168 = 4 x 248 (the default
 # consumer) + 4 x 232 + 4 x 24.
-CONFIG = dict(BM=128, BN=128, BK=64, stages=4, GROUP=16, regs=(232, 24), maxnreg=168)
+CONFIG = MappingProxyType(
+    dict(BM=128, BN=128, BK=64, stages=4, GROUP=16, regs=(232, 24), maxnreg=168)
+)
 # The forward's statistics kernel: the same tile, launch groups of 8 (H200, kernel alone: 4
 # stages 0.96-1.01 GEMMs, 6 stages 0.98-1.02; groups of 16 slower at every shape).
-STATS_CONFIG = dict(CONFIG, GROUP=8)
+STATS_CONFIG = MappingProxyType(dict(CONFIG, GROUP=8))
 
 
 @gluon.jit
@@ -677,12 +681,13 @@ def _stats_args(hidden, weight, target, part, progs, cfg):
 
 
 def launch_dlogits_pingpong(
-    hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d, v0, slots, cfg=CONFIG
+    hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d, v0, slots, cfg=None
 ):
     """Writes ``d`` (``[n, width]``, a 16-byte-aligned view) for vocabulary columns ``v0 .. v0 +
     width``, as ``vocab_triton.launch_dlogits``, with ``min(tiles, slots)`` programs (``pos``:
     per row, where each ``cfg["BN"]``-column tile's ids start in the sorted ``ids``). Operands and
     ``d`` must suit the copy engine (``vocab_ops.tma_ok``)."""
+    cfg = cfg or CONFIG
     tiles = triton.cdiv(d.shape[0], cfg["BM"]) * triton.cdiv(d.shape[1], cfg["BN"])
     progs = min(tiles, slots)
     args = (hidden, weight, row_max, grad_sum_exp, ids, grad_ids, pos, d, v0, progs, cfg)
@@ -719,7 +724,28 @@ def launch_stats_pingpong(hidden, weight, target, part, slots, cfg=None):
 # groups per tile (8: one thread holds a group in the wgmma accumulator layout); passes:
 # selection passes per tile (vocab_ops passes its "fwd_topk" entry); GROUP: row blocks per
 # launch group of the units.
-TOPK_CONFIG = dict(CONFIG, BM=64, BN=256, GROUP=16, G=8, passes=3)
+TOPK_CONFIG = MappingProxyType(dict(CONFIG, BM=64, BN=256, GROUP=16, G=8, passes=3))
+
+_TILE_CONFIGS = {"dlogits": "CONFIG", "stats": "STATS_CONFIG", "topk": "TOPK_CONFIG"}
+
+
+@contextlib.contextmanager
+def tile_config_scope(kernel: str, **changes):
+    """The tile configuration of ``kernel`` (``"dlogits"``, ``"stats"`` or ``"topk"``) with
+    ``changes`` for the block, restored on exit. The configurations are read-only otherwise;
+    the interpreter tests shrink the tiles this way."""
+    name = _TILE_CONFIGS[kernel]
+    old = globals()[name]
+    unknown = set(changes) - set(old)
+    if unknown:
+        raise ValueError(f"unknown {kernel} tile settings {sorted(unknown)}")
+    globals()[name] = MappingProxyType(dict(old, **changes))
+    try:
+        yield globals()[name]
+    finally:
+        globals()[name] = old
+
+
 # Hidden-row bytes the top-k forward's programs may hold at once. Each program walks one row
 # block across a run of column tiles and reads that block again for every tile, so the blocks in
 # flight (programs / splits) must stay in L2 (H200: 50 MB, also holding the weight tiles the
