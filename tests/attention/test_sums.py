@@ -79,6 +79,15 @@ for dtype in (torch.float16, torch.float32):
             sums._use_triton = lambda *t, on=triton_on: on
             sums.add_key_rows(got, dst, keys)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # With source rows: a permuted subset of the key rows.
+        src = torch.randperm(m, generator=g)[: m // 2 + 1]
+        want = acc.clone()
+        want[dst[: src.numel()]] += slot_rows[src].float()
+        for triton_on in (True, False):
+            got = acc.clone()
+            sums._use_triton = lambda *t, on=triton_on: on
+            sums.add_key_rows(got, dst[: src.numel()], keys, src)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 print("ok")
 """
 

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_ref import ReferenceKernel, SharedKeysReferenceKernel
+from _attention_ref import ReferenceKernel, SharedKeysReferenceKernel, require_distinct_sum_rows
 
 from megatron.context_parallel import ContextParallelPlan, PrefixTree, tree_plan
 from megatron.context_parallel.attention.fused import fused_attention
 from megatron.context_parallel.attention.tree_tables import TreeTables
+
+
+@pytest.fixture(autouse=True)
+def _distinct_sum_rows(monkeypatch):
+    require_distinct_sum_rows(monkeypatch)
 
 
 def _random_tree(g: torch.Generator, segments: int, max_len: int) -> PrefixTree:
@@ -130,3 +135,19 @@ def test_flat_forest_needs_no_ancestor_call():
     forest = PrefixTree(parents=(-1, -1, -1), lengths=(5, 7, 3))
     tables = _check(forest, ContextParallelPlan.contiguous(forest.seq_len, 2), 1)
     assert tables.levels == []
+
+
+def test_a_segment_split_into_several_entries_sums_its_key_copies():
+    """Segments long enough that a rank's runs of one segment stay separate entries (gaps over
+    the merge gap): the own part copies their keys per entry and the backward adds each copy
+    into its key once, in rounds without a repeated key (the GPU's sum has no atomics)."""
+    tree = PrefixTree(parents=(-1,) + (0,) * 8, lengths=(700, 90, 130, 1, 77, 256, 64, 3, 40))
+    plan = tree_plan(tree, 2)
+    materialized = 0
+    for rank in range(2):
+        tables = _check(tree, plan, rank, heads=2, groups=1, dim=4, seed=rank)
+        materialized += tables.own.materialize
+        rounds = tables.on("cpu").own_rounds
+        assert sum(dst.numel() for dst, _ in rounds) == tables.own.mat_rows
+        assert len(rounds) > 1 or not tables.own.materialize
+    assert materialized, "the case no longer splits a segment into several entries"

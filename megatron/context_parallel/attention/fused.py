@@ -284,7 +284,8 @@ class _TreeAttention(torch.autograd.Function):
             if not own.identity:
                 dq_own = row_ops.gather_rows(dq_own, od.local_to_span)
             dq += dq_own
-            sums.add_key_rows(dkv, dev.own_key_rows, dkv_own)
+            for dst, src in dev.own_rounds:
+                sums.add_key_rows(dkv, dst, dkv_own, src)
         for call, rows in zip(tables.levels, dev.level_rows):
             cd = call.on(q.device)
             sub = [row_ops.gather_rows(t, rows) for t in (q, o, do, lse)]

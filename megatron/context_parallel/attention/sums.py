@@ -17,7 +17,8 @@ interleaves them first:
 
 * ``slot_sums(keys, copies)``: ``out[s] = sum_j keys[copies[j, s]]`` as ``[slots, G, 2d]`` rows
   (``-1``: nothing), summed in fp32 and rounded once to ``keys``' dtype.
-* ``add_key_rows(acc, dst, keys)``: ``acc[dst[i]] += keys[i]``, ``acc`` ``[N, G, 2d]`` fp32.
+* ``add_key_rows(acc, dst, keys, src_rows)``: ``acc[dst[i]] += keys[src_rows[i]]`` (or
+  ``keys[i]``), ``acc`` ``[N, G, 2d]`` fp32; ``dst`` must not repeat.
 """
 
 from __future__ import annotations
@@ -102,13 +103,18 @@ if triton is not None:
 
     @triton.jit
     def _add_key_rows_kernel(
-        acc, dst, keys, width, s_half, s_row, s_group, D: tl.constexpr, BLOCK: tl.constexpr
-    ):
+        acc, dst, keys, src_rows, width, s_half, s_row, s_group,
+        HAS_SRC_ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         i = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         live = c < width
         row = tl.load(dst + i).to(tl.int64)
-        x = tl.load(keys + i * s_row + _key_columns(c, s_half, s_group, D), mask=live, other=0.0)
+        if HAS_SRC_ROWS:
+            src = tl.load(src_rows + i).to(tl.int64)
+        else:
+            src = i
+        x = tl.load(keys + src * s_row + _key_columns(c, s_half, s_group, D), mask=live, other=0.0)
         y = tl.load(acc + row * width + c, mask=live, other=0.0)
         tl.store(acc + row * width + c, y + x.to(acc.dtype.element_ty), mask=live)
 
@@ -153,9 +159,16 @@ def slot_sums(keys: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
     return total.to(keys.dtype)
 
 
-def add_key_rows(acc: torch.Tensor, dst: torch.Tensor, keys: torch.Tensor) -> None:
-    """``acc[dst[i]] += keys[:, i]`` in place: ``acc`` fp32 / float64 ``[N, G, 2d]``
-    (contiguous), ``dst`` int64 ``[M]`` distinct rows, ``keys`` split ``[2, M, G, d]``."""
+def add_key_rows(
+    acc: torch.Tensor,
+    dst: torch.Tensor,
+    keys: torch.Tensor,
+    src_rows: Optional[torch.Tensor] = None,
+) -> None:
+    """``acc[dst[i]] += keys[:, src_rows[i]]`` (``keys[:, i]`` without ``src_rows``) in place:
+    ``acc`` fp32 / float64 ``[N, G, 2d]`` (contiguous), ``dst`` int64 ``[k]`` distinct rows
+    (the CUDA pass adds without atomics: a repeated row would lose all but one of its terms),
+    ``keys`` split ``[2, M, G, d]``, ``src_rows`` int64 ``[k]`` or None."""
     if dst.numel() == 0:
         return
     strides = _key_strides(keys)
@@ -164,10 +177,12 @@ def add_key_rows(acc: torch.Tensor, dst: torch.Tensor, keys: torch.Tensor) -> No
         width = acc[0].numel()
         block = min(1024, triton.next_power_of_2(width))
         _add_key_rows_kernel[(dst.numel(), triton.cdiv(width, block))](
-            acc, dst, keys, width, *strides, D=d, BLOCK=block
-        )
+            acc, dst, keys, src_rows if src_rows is not None else dst, width, *strides,
+            HAS_SRC_ROWS=src_rows is not None, D=d, BLOCK=block,
+        )  # fmt: skip
         return
-    acc.index_add_(0, dst, interleave(keys).to(acc.dtype))
+    rows = interleave(keys if src_rows is None else keys.index_select(1, src_rows))
+    acc.index_add_(0, dst, rows.to(acc.dtype))
 
 
 def merge(

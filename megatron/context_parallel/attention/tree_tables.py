@@ -28,7 +28,7 @@ device and every layer shares it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -52,15 +52,17 @@ class DeviceTreeTables:
     Attributes:
         level_rows: per ancestor level, int64 ``[m]``: the local row of each row of the
             level's query buffer.
-        own_key_rows: int64 ``[mat_rows]``, the compact key of each row of the own part's
-            backward key buffer.
+        own_rounds: the own part's key gradients by rounds ``(dst, src)`` of int64 ``[k]``:
+            row ``src[i]`` of its backward key buffer (``src`` None: row ``i``) adds into
+            compact key ``dst[i]``. Within a round no key repeats (the sum adds without
+            atomics); a key the own part copied for ``c`` entries takes ``c`` rounds.
         compact_slots: int64 ``[N]``, the all-gather slot of each compact key (None when the
             slots are the compact keys).
         slot_rows: int64 ``[slots]``, the compact key of each slot or -1 (None likewise).
     """
 
     level_rows: List[torch.Tensor]
-    own_key_rows: torch.Tensor
+    own_rounds: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
     compact_slots: Optional[torch.Tensor]
     slot_rows: Optional[torch.Tensor]
 
@@ -138,14 +140,17 @@ class TreeTables(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is None:
             own = self.own
-            key_rows = own.kv_source if own.materialize else torch.arange(own.mat_rows)
+            if own.materialize:
+                rounds = _copy_rounds(own.kv_source)
+            else:
+                rounds = [(torch.arange(own.mat_rows), None)]
 
             def put(t):
                 return None if t is None else t.to(device)
 
             cached = DeviceTreeTables(
                 level_rows=[put(r) for r in self.level_rows],
-                own_key_rows=put(key_rows),
+                own_rounds=[(put(dst), put(src)) for dst, src in rounds],
                 compact_slots=put(self.compact_slots),
                 slot_rows=put(self.slot_rows),
             )
@@ -164,6 +169,25 @@ def _segment_keys(tree: PrefixTree, keys: CompactKeys):
     count = torch.bincount(keys.sequence, minlength=tree.num_segments)
     first = torch.cumsum(count, 0) - count
     return first, count
+
+
+def _copy_rounds(key_of_row: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``[(dst, src)]``: the rows ``src`` of a backward key buffer whose compact keys
+    ``key_of_row`` (int64 ``[M]``) are their ``j``-th copy, for ``j = 0, 1, ...``, and those keys
+    ``dst``: within a round no key repeats."""
+    by_key = ascending_order(key_of_row)
+    sorted_keys = key_of_row[by_key]
+    index = torch.arange(sorted_keys.numel())
+    new = torch.ones_like(sorted_keys, dtype=torch.bool)
+    new[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    first = torch.cummax(torch.where(new, index, 0), 0).values
+    copy = torch.empty_like(key_of_row)
+    copy[by_key] = index - first
+    rounds = []
+    for j in range(int(copy.max()) + 1 if copy.numel() else 0):
+        src = torch.nonzero(copy == j)[:, 0]
+        rounds.append((key_of_row[src], src))
+    return rounds
 
 
 def _ancestors_by_depth(tree: PrefixTree) -> List[torch.Tensor]:
