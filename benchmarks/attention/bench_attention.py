@@ -621,12 +621,13 @@ def graph_builds_over_random_plans(seq_len, device, batches=20, seed=1):
     }
 
 
-def profile_case(plan, rank, cu, device, path, layout="auto"):
+def profile_case(plan, rank, cu, device, path, layout="auto", case=None):
     """Kernel times of one forward+backward (torch.profiler), the top rows printed and saved,
-    with the call's wall time and the GPU's busy time (host-bound when they differ)."""
+    with the call's wall time and the GPU's busy time (host-bound when they differ); ``case``
+    a prebuilt ``Case`` (a tree's) instead of one from the plan."""
     from torch.profiler import ProfilerActivity, profile
 
-    case = Case(plan, rank, cu, device, layout=layout)
+    case = Case(plan, rank, cu, device, layout=layout) if case is None else case
     for _ in range(2):
         case.ours(True)
     torch.cuda.synchronize()
@@ -817,7 +818,8 @@ def main():
     parser.add_argument(
         "--model-reps", type=int, default=8, help="rounds of the GPTModel row (both steps each)"
     )
-    parser.add_argument("--profile", action="store_true", help="kernel table of two cases")
+    parser.add_argument("--profile", action="store_true", help="kernel tables of the cases")
+    parser.add_argument("--profile-cases", type=int, default=2, help="how many cases to profile")
     parser.add_argument("--profile-layout", default="blocks", help="also profile this layout")
     parser.add_argument(
         "--variants",
@@ -908,13 +910,19 @@ def main():
         print(json.dumps({k: _fmt(v) for k, v in row.items()}), flush=True)
     results["workspace bytes"] = _attention_cudnn.workspace_bytes()
     if args.profile:
-        wanted = [c for c in args.cases.split(",") if c]
-        chosen = [p for p in cases(20436) if not wanted or any(w in p[0] for w in wanted)]
-        for i, (name, plan, rank, cu) in enumerate(chosen[:2]):
-            for layout in ("auto", args.profile_layout):
+        # The profiled cases: the selected ones (named cases included) at the first size.
+        chosen = select(int(args.sizes.split(",")[0]))
+        for i, (name, plan, rank, cu) in enumerate(chosen[: args.profile_cases]):
+            for layout in dict.fromkeys(("auto", args.profile_layout)):
                 print("== profile:", name, layout)
                 out = os.path.join(args.out, f"profile_{i}_{layout}.txt")
                 profile_case(plan, rank, cu, device, out, layout)
+        for i, (name, tree) in enumerate(trees):
+            print("== profile:", name)
+            case = TreeCase(tree, device)
+            profile_case(
+                None, 0, None, device, os.path.join(args.out, f"profile_tree_{i}.txt"), case=case
+            )
     if not args.no_graph_builds:
         results["graph builds"] = graph_builds_over_random_plans(20436, device)
         print(json.dumps(results["graph builds"]), flush=True)

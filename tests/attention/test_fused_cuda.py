@@ -168,6 +168,49 @@ def test_blocked_layout_matches_the_oracle(kind, dtype, span_budget):
         _check(plan, rank, cu, 8, 2, 128, dtype, rank, blocks={"span_budget": span_budget})
 
 
+def _dealt(seq_len, bounds, cp):
+    """The pieces between ``bounds`` dealt to ``cp`` ranks in turn (rows sorted per rank)."""
+    ranks = [[] for _ in range(cp)]
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        ranks[i % cp].extend(range(a, b))
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len)
+
+
+def _named_plan(kind, seq_len, g):
+    """The attention benchmark's named plan kinds at a test size: packed sequences cut at
+    points unrelated to their boundaries, 64-row blocks shuffled over CP 4, random rows."""
+    if kind == "packed_cut":
+        inner = sorted(torch.randperm(seq_len - 1, generator=g)[:12].add(1).tolist())
+        cu = (0, *inner, seq_len)
+        cuts = sorted(torch.randperm(seq_len - 1, generator=g)[:11].add(1).tolist())
+        return _dealt(seq_len, [0, *cuts, seq_len], 4), cu
+    if kind == "block_shuffled_64":
+        blocks = -(-seq_len // 64)
+        owner = torch.empty(blocks, dtype=torch.int64)
+        owner[torch.randperm(blocks, generator=g)] = torch.arange(blocks) % 4
+        owner = owner.repeat_interleave(64)[:seq_len]
+        ranks = [torch.nonzero(owner == r).flatten() for r in range(4)]
+        return ContextParallelPlan.from_rank_positions(ranks, seq_len), None
+    if kind == "random_rows":
+        owner = torch.randint(0, 2, (seq_len,), generator=g)
+        ranks = [torch.nonzero(owner == r).flatten() for r in range(2)]
+        return ContextParallelPlan.from_rank_positions(ranks, seq_len), None
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["packed_cut", "block_shuffled_64", "random_rows"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_named_plan_kinds_match_the_oracle(kind, dtype):
+    """Every rank of each plan kind, through the layout the choice takes (runs or blocks)."""
+    g = torch.Generator().manual_seed(7)
+    plan, cu = _named_plan(kind, 3000, g)
+    for rank in range(plan.cp_size):
+        sequence = _sequence(plan.seq_len, cu)
+        chosen = build_attention_tables(plan, rank, sequence)
+        blocks = {} if isinstance(chosen, AttentionBlocks) else None
+        _check(plan, rank, cu, 8, 2, 128, dtype, rank, blocks=blocks)
+
+
 def test_the_choice_takes_blocks_for_scattered_rows_and_runs_else():
     g = torch.Generator().manual_seed(2)
     half, _ = _plan("random_half", 4096, g)
