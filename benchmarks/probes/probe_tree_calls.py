@@ -6,7 +6,10 @@ separately (``cudnn.KERNEL`` directly, no gathers or sums), against the floor (c
 over one sequence of ``S``, scaled per visible query-key pair, as ``bench_attention.py``). Also
 the own part split into two calls (the prompt's entry alone, the completions' entries alone),
 which tests whether the own call's shape (its entries times its longest entry's rows, both
-rounded up to powers of two) costs time on top of the rows themselves.
+rounded up to powers of two) costs time on top of the rows themselves. Calls whose causal
+entries are all square run again with the diagonal aligned top-left (the same mask:
+``CudnnOptions.square_top_left``), which asks whether the ragged causal backward's time is the
+bottom-right alignment's.
 
 Usage: python benchmarks/probes/probe_tree_calls.py [--batches 4096+8x1024,16384+16x512]
 """
@@ -30,10 +33,12 @@ from megatron.context_parallel.attention import cudnn as cudnn_kernel  # noqa: E
 from megatron.context_parallel.attention.runs import AttentionRuns  # noqa: E402
 from megatron.context_parallel.attention.tree_tables import TreeTables  # noqa: E402
 
+TOP_LEFT = cudnn_kernel.CudnnKernel(cudnn_kernel.CudnnOptions(square_top_left=True))
 
-def _call_times(q, kv, runs, reps):
+
+def _call_times(q, kv, runs, reps, kernel=cudnn_kernel.KERNEL):
     """(fwd ms, bwd ms) of one call's kernel alone."""
-    kernel, dev, scale = cudnn_kernel.KERNEL, runs.on(q.device), DIM**-0.5
+    dev, scale = runs.on(q.device), DIM**-0.5
     o, lse = kernel.forward(q, kv, runs, dev, scale, True)
     do = torch.randn_like(o)
     fwd = time_ms(lambda: kernel.forward(q, kv, runs, dev, scale, True), q.device, reps, 1)
@@ -100,11 +105,20 @@ def main():
                 else runs.q_len * runs.kv_len
             )
             p = int(causal_pairs.sum())
-            f, b = _call_times(qq, kv, runs, args.reps)
-            shape = (runs.batch, runs.max_q, getattr(runs, "max_kv", "?"))
-            print(f"| {name} | {runs.entries} | {int(runs.q_len.sum())} | {int(runs.kv_len.max())} "
-                  f"| {shape} | {p} | {f:.2f} | {b:.2f} | {f / (p * per_pair_f):.2f} | "
-                  f"{b / (p * per_pair_b):.2f} |", flush=True)  # fmt: skip
+            shape = (runs.batch, runs.max_q, runs.max_kv)
+            kernels = [("", cudnn_kernel.KERNEL)]
+            if cudnn_kernel.diagonal(runs, TOP_LEFT.options) == "top_left":
+                kernels.append((", diagonal top-left", TOP_LEFT))
+            for label, kernel in kernels:
+                try:
+                    f, b = _call_times(qq, kv, runs, args.reps, kernel)
+                except Exception as e:  # noqa: BLE001 - a graph cuDNN refuses is a result here
+                    print(f"| {name}{label} | {type(e).__name__}: {str(e)[:200]} |", flush=True)
+                    continue
+                print(f"| {name}{label} | {runs.entries} | {int(runs.q_len.sum())} | "
+                      f"{int(runs.kv_len.max())} | {shape} | {p} | {f:.2f} | {b:.2f} | "
+                      f"{f / (p * per_pair_f):.2f} | {b / (p * per_pair_b):.2f} |",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -478,3 +478,25 @@ def test_backward_graphs_are_sized_for_the_largest_totals_so_far(monkeypatch):
     assert kernel.backward_totals("a", 100, 250) == ((100, 300), True)  # a's first is too small
     assert kernel.backward_totals("a", 60, 220) == ((100, 300), False)
     assert kernel.backward_totals("a", 60, 180) == ((100, 200), False)  # the smallest that holds
+
+
+def test_the_causal_diagonal_of_a_call():
+    """Bottom-right by default; top-left only when asked and every entry is square (the same
+    mask); none for an unmasked call."""
+    from megatron.context_parallel.attention.cudnn import CudnnOptions, diagonal
+
+    def call(q_len, kv_len, causal=True):
+        q_len, kv_len = torch.tensor(q_len), torch.tensor(kv_len)
+        q_start = torch.cumsum(q_len, 0) - q_len
+        k_start = torch.cumsum(kv_len, 0) - kv_len
+        return AttentionRuns.from_entries(
+            q_start, q_len, k_start, kv_len,
+            query_rows=int(q_len.sum()), num_keys=int(kv_len.sum()), causal=causal,
+        )  # fmt: skip
+
+    top_left = CudnnOptions(square_top_left=True)
+    square, tall = call([5, 3], [5, 3]), call([5, 3], [9, 3])
+    assert diagonal(square, CudnnOptions()) == "bottom_right"
+    assert diagonal(square, top_left) == "top_left"
+    assert diagonal(tall, top_left) == "bottom_right"
+    assert diagonal(call([5, 3], [5, 3], causal=False), top_left) is None

@@ -38,6 +38,7 @@ __all__ = [
     "CudnnOptions",
     "available",
     "backward_totals",
+    "diagonal",
     "graph_builds",
     "reset_graphs",
     "workspace_bytes",
@@ -73,12 +74,29 @@ class CudnnOptions:
             after every workspace to hold the backend to that.
         graph_options: extra ``cudnn.pygraph`` keyword arguments for every graph built, as
             ``(name, value)`` pairs (probes try cuDNN's dynamic shapes and kernel cache).
+        square_top_left: a causal call whose entries are all square (each entry's rows run
+            from its sequence's first key, ``q_len == kv_len``) aligns the diagonal to the
+            top-left corner, which for a square is the same mask. Off: not yet measured; for
+            ``probes/probe_tree_calls.py``, which asks whether cuDNN's ragged causal backward
+            (1.9x the floor's per-pair time on a 16,384-row square, H100) is faster so.
     """
 
     shared_keys_in_backward: bool = True
     separate_key_gradients: bool = True
     exact_key_workspace: bool = True
     graph_options: Tuple[Tuple[str, object], ...] = ()
+    square_top_left: bool = False
+
+
+def diagonal(runs, options: CudnnOptions) -> Optional[str]:
+    """The causal diagonal of a call's graph: ``"bottom_right"`` (each entry's last row sees its
+    last key), ``"top_left"`` (``options.square_top_left`` on a call of square entries: the same
+    mask), or None (unmasked)."""
+    if not runs.causal:
+        return None
+    if options.square_top_left and runs.entries and torch.equal(runs.q_len, runs.kv_len):
+        return "top_left"
+    return "bottom_right"
 
 
 _GRAPHS: Dict[tuple, tuple] = {}
@@ -215,9 +233,14 @@ def _start_graph(handle, dtype, runs, heads, groups, dim, options: CudnnOptions)
     )  # fmt: skip
     len_q, len_kv = _lengths(g, b)
     mask = dict(use_padding_mask=True, seq_len_q=len_q, seq_len_kv=len_kv)
-    if runs.causal:
+    corner = diagonal(runs, options)
+    if corner is not None:
+        alignment = cudnn.diagonal_alignment
         mask.update(
-            diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0
+            diagonal_alignment=(
+                alignment.TOP_LEFT if corner == "top_left" else alignment.BOTTOM_RIGHT
+            ),
+            diagonal_band_right_bound=0,
         )
     q = _rows(g, "q", _Q, b, heads, sq, dim, q_tok, dim, io, _ragged(g, "off_q", _OFF_Q, b))
     k = _rows(g, "k", _K, b, groups, skv, dim, kv_tok, 2 * dim, io, _ragged(g, "off_k", _OFF_K, b))
@@ -354,7 +377,7 @@ class CudnnKernel:
             return torch.zeros_like(q), (zeros if want_stats else None)
         options = self.options
         key = ("fwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
-               want_stats, runs.causal, q.device, options.graph_options)  # fmt: skip
+               want_stats, diagonal(runs, options), q.device, options.graph_options)  # fmt: skip
         handle = _handle(q.device)
         g, ws = _graph(
             key,
@@ -409,7 +432,7 @@ class CudnnKernel:
         options = self.options
         key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
                deterministic, options.separate_key_gradients, options.exact_key_workspace,
-               runs.causal, q.device, options.graph_options)  # fmt: skip
+               diagonal(runs, options), q.device, options.graph_options)  # fmt: skip
         handle = _handle(q.device)
         # The row totals only size the backward's accumulators: a graph built for larger totals
         # serves this batch, so batches of new lengths reuse the graphs they fit.
