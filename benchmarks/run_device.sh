@@ -3,7 +3,7 @@
 #
 # Usage (repo root):
 #   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|head|
-#                             gluon-topk|gdn|attention|tree]
+#                             gluon-topk|gdn|attention|tree|tree-hybrid]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention | tree) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention | tree | tree-hybrid) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -156,6 +156,20 @@ if [[ "$mode" == tree ]]; then
   timeout -s INT "${BENCH_TIMEOUT:-300}" "$py" benchmarks/models/bench_tree.py \
     --lift-fla-hopper-guard ${TREE_BENCH_ARGS:---reps 3} --out "$out" 2>&1 \
     | tee "$out/bench_tree.log" | grep -v -i warn | tail -n 30
+  exit 0
+fi
+
+if [[ "$mode" == tree-hybrid ]]; then
+  # The tree benchmark's GDN hybrid rows alone (the GDN layer, then the whole step; fla compiles
+  # its tree variants on first use, which took the rows past 190-230 s in calls that also ran
+  # other sections). TREE_HYBRID_ARGS default: the first GRPO batch, pattern G-*-, 2 rounds.
+  carry_wheels
+  echo "== tree benchmark, GDN hybrid rows"
+  # shellcheck disable=SC2086 # TREE_HYBRID_ARGS is a list of options
+  timeout -s INT "${BENCH_TIMEOUT:-540}" "$py" benchmarks/models/bench_tree.py \
+    --lift-fla-hopper-guard --attention skip --no-model \
+    ${TREE_HYBRID_ARGS:---batches 4096+8x1024 --hybrid-pattern G-*- --reps 2} --out "$out" 2>&1 \
+    | tee "$out/bench_tree_hybrid.log" | grep -v -i warn | tail -n 30
   exit 0
 fi
 
