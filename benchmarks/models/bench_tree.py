@@ -530,8 +530,15 @@ def attention_row(batch: Batch, args, device, mode: str) -> dict:
         row["tables ms (host, once)"] = (time.perf_counter() - start) * 1e3
         row["tables"] = type(runs).__name__
 
+        kernel = None
+        if args.square_top_left:
+            from megatron.context_parallel.attention import cudnn
+
+            kernel = cudnn.CudnnKernel(cudnn.CudnnOptions(square_top_left=True))
+            row["diagonal"] = "top-left on all-square calls"
+
         def attend(qq, kk):
-            return fused_attention(qq, kk, runs, scale)
+            return fused_attention(qq, kk, runs, scale, kernel=kernel)
 
     else:
 
@@ -789,6 +796,12 @@ def parse_args(argv=None):
         "CPU), or skip",
     )
     p.add_argument("--floor-len", type=int, default=0, help="floor's sequence (default: S)")
+    p.add_argument(
+        "--square-top-left",
+        action="store_true",
+        help="the attention row with CudnnOptions(square_top_left=True): calls of square causal "
+        "entries (the tree's own part at CP 1) align the diagonal top-left, the same mask",
+    )
     p.add_argument("--no-model", action="store_true", help="skip the GPTModel rows")
     p.add_argument("--no-hybrid", action="store_true", help="skip the GDN hybrid rows")
     p.add_argument("--hybrid-pattern", default="G-G-G-*-")

@@ -1,8 +1,10 @@
 """The fused tree attention on a GPU (cuDNN) against a float64 oracle from positions alone.
 
-Trees of a prompt with completions and of depth 3, under the default ``tree_plan``, contiguous
-blocks and shuffled rows with an empty rank; bf16 and fp16 compare by relative error (norm of
-the difference over the norm of the reference), output and every gradient.
+Trees of a prompt with completions and of depth 3, at CP 1, under the default ``tree_plan``,
+contiguous blocks and shuffled rows with an empty rank, with the diagonal bottom-right and
+(``CudnnOptions.square_top_left``) top-left on all-square calls; bf16 and fp16 compare by
+relative error (norm of the difference over the norm of the reference), output and every
+gradient.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ TREES = {
 
 
 def _plans(tree: PrefixTree, g: torch.Generator):
+    yield "contiguous_cp1", ContextParallelPlan.contiguous(tree.seq_len, 1)
     yield "tree_plan_cp2", tree_plan(tree, 2)
     yield "contiguous_cp3", ContextParallelPlan.contiguous(tree.seq_len, 3)
     perm = torch.randperm(tree.seq_len, generator=g)
@@ -65,10 +68,14 @@ def _oracle(query, kv, positions, tree, scale, dim):
     return torch.einsum("hns,shd->nhd", torch.softmax(scores, dim=-1), v)
 
 
+@pytest.mark.parametrize("top_left", [False, True], ids=["bottom_right", "square_top_left"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", sorted(TREES))
-def test_tree_attention_matches_the_oracle(name, dtype):
+def test_tree_attention_matches_the_oracle(name, dtype, top_left):
+    """``square_top_left``: calls whose causal entries are all square (the own part at CP 1)
+    align the diagonal top-left, which must be the same mask."""
     tree = TREES[name]
+    kernel = cudnn_kernel.CudnnKernel(cudnn_kernel.CudnnOptions(square_top_left=top_left))
     g = torch.Generator().manual_seed(0)
     heads, groups, dim = 8, 2, 64
     dev = torch.device("cuda")
@@ -85,7 +92,7 @@ def test_tree_attention_matches_the_oracle(name, dtype):
             tables = TreeTables.build(plan, rank, tree)
             query = q_full[pos].clone().requires_grad_()
             kv_slots = _slots(kv_full, plan).requires_grad_()
-            out = fused_attention(query, kv_slots, tables, scale)
+            out = fused_attention(query, kv_slots, tables, scale, kernel=kernel)
             (out.double() * weight[pos]).sum().backward()
             q_ref = q_full[pos].double().requires_grad_()
             kv_ref = kv_full.double().requires_grad_()
