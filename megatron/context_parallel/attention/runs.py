@@ -53,6 +53,7 @@ __all__ = [
     "CompactKeys",
     "DeviceRuns",
     "KernelShapes",
+    "copy_numbers",
     "kernel_shapes",
     "recorded_shapes",
     "run_entries",
@@ -130,6 +131,16 @@ def ascending_order(values: torch.Tensor) -> torch.Tensor:
     if values.numel() < 2 or bool((values[1:] >= values[:-1]).all()):
         return torch.arange(values.numel())
     return torch.argsort(values, stable=True)
+
+
+def copy_numbers(values: torch.Tensor) -> torch.Tensor:
+    """int64 like ``values``: for each element, how many equal elements come before it (its
+    copy number; 0 for the first of each value)."""
+    by_value = ascending_order(values)
+    sorted_values = values[by_value]
+    out = torch.empty_like(by_value)
+    out[by_value] = torch.arange(sorted_values.numel()) - _run_starts(sorted_values)
+    return out
 
 
 class CompactKeys:
@@ -743,12 +754,10 @@ def _slot_copies(plan, keys: CompactKeys, kv_source: Optional[torch.Tensor]) -> 
     """int64 ``[copies, slots]``: row ``j`` names the backward buffer row of each all-gather
     slot's ``j``-th key copy (-1: none); a slot's gradient is the sum of its copies."""
     key_of_row = torch.arange(keys.count) if kv_source is None else kv_source
-    by_key = ascending_order(key_of_row)
-    sorted_keys = key_of_row[by_key]
-    copy = torch.arange(sorted_keys.numel()) - _run_starts(sorted_keys)
+    copy = copy_numbers(key_of_row)
     copies = int(copy.max()) + 1 if copy.numel() else 1
     slot_copies = torch.full((copies, plan.cp_size * plan.max_count), -1, dtype=torch.int64)
-    slot_copies[copy, keys.slots[sorted_keys]] = by_key
+    slot_copies[copy, keys.slots[key_of_row]] = torch.arange(key_of_row.numel())
     return slot_copies
 
 

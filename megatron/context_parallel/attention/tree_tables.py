@@ -37,6 +37,7 @@ from megatron.context_parallel.attention.runs import (
     CompactKeys,
     ReadOnlyTables,
     ascending_order,
+    copy_numbers,
     serial_host_ops,
 )
 from megatron.context_parallel.comm.plan import ContextParallelPlan
@@ -175,14 +176,7 @@ def _copy_rounds(key_of_row: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Ten
     """``[(dst, src)]``: the rows ``src`` of a backward key buffer whose compact keys
     ``key_of_row`` (int64 ``[M]``) are their ``j``-th copy, for ``j = 0, 1, ...``, and those keys
     ``dst``: within a round no key repeats."""
-    by_key = ascending_order(key_of_row)
-    sorted_keys = key_of_row[by_key]
-    index = torch.arange(sorted_keys.numel())
-    new = torch.ones_like(sorted_keys, dtype=torch.bool)
-    new[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    first = torch.cummax(torch.where(new, index, 0), 0).values
-    copy = torch.empty_like(key_of_row)
-    copy[by_key] = index - first
+    copy = copy_numbers(key_of_row)
     rounds = []
     for j in range(int(copy.max()) + 1 if copy.numel() else 0):
         src = torch.nonzero(copy == j)[:, 0]
