@@ -51,6 +51,14 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
+def _dealt(seq_len, bounds, cp):
+    """The pieces between ``bounds`` dealt to ``cp`` ranks in turn (rows sorted per rank)."""
+    ranks = [[] for _ in range(cp)]
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        ranks[i % cp].extend(range(a, b))
+    return ContextParallelPlan.from_rank_positions(ranks, seq_len)
+
+
 def _plan(kind, seq_len, g):
     if kind == "zigzag":
         return ContextParallelPlan.zigzag(seq_len, 2), None
@@ -60,11 +68,7 @@ def _plan(kind, seq_len, g):
         cu = (0, 128, 640, 896, seq_len)
         return ContextParallelPlan.thd(torch.tensor(cu), 2), cu
     if kind == "uneven":
-        cuts = [0, 300, 410, 700, 850, seq_len]
-        ranks = [[], []]
-        for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
-            ranks[i % 2].extend(range(a, b))
-        return ContextParallelPlan.from_rank_positions(ranks, seq_len), None
+        return _dealt(seq_len, [0, 300, 410, 700, 850, seq_len], 2), None
     if kind == "random_half":
         owner = torch.randint(0, 2, (seq_len,), generator=g)
         return (
@@ -168,17 +172,10 @@ def test_blocked_layout_matches_the_oracle(kind, dtype, span_budget):
         _check(plan, rank, cu, 8, 2, 128, dtype, rank, blocks={"span_budget": span_budget})
 
 
-def _dealt(seq_len, bounds, cp):
-    """The pieces between ``bounds`` dealt to ``cp`` ranks in turn (rows sorted per rank)."""
-    ranks = [[] for _ in range(cp)]
-    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        ranks[i % cp].extend(range(a, b))
-    return ContextParallelPlan.from_rank_positions(ranks, seq_len)
-
-
 def _named_plan(kind, seq_len, g):
     """The attention benchmark's named plan kinds at a test size: packed sequences cut at
-    points unrelated to their boundaries, 64-row blocks shuffled over CP 4, random rows."""
+    points unrelated to their boundaries, 64-row blocks shuffled over CP 4, random rows (the
+    random half of ``_plan``)."""
     if kind == "packed_cut":
         inner = sorted(torch.randperm(seq_len - 1, generator=g)[:12].add(1).tolist())
         cu = (0, *inner, seq_len)
@@ -192,9 +189,7 @@ def _named_plan(kind, seq_len, g):
         ranks = [torch.nonzero(owner == r).flatten() for r in range(4)]
         return ContextParallelPlan.from_rank_positions(ranks, seq_len), None
     if kind == "random_rows":
-        owner = torch.randint(0, 2, (seq_len,), generator=g)
-        ranks = [torch.nonzero(owner == r).flatten() for r in range(2)]
-        return ContextParallelPlan.from_rank_positions(ranks, seq_len), None
+        return _plan("random_half", seq_len, g)
     raise AssertionError(kind)
 
 
