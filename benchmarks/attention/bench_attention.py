@@ -69,8 +69,9 @@ import torch
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing and floor, the shared helpers
 
+from floor import causal_sdpa_calls, tree_visible_pairs  # noqa: E402
 from timing import GiB, extra_peak_bytes, samples_ms, time_ms, time_round_robin  # noqa: E402
 
 from megatron.context_parallel import ContextParallelPlan  # noqa: E402
@@ -287,7 +288,7 @@ def tree_tables(plan, tree, device):
 
 def tree_share(tree):
     """(seq_len, share): the tree's visible pairs over one causal sequence of ``seq_len``'s."""
-    pairs = int((tree.position_ids() + 1).sum())
+    pairs = tree_visible_pairs(tree)
     return tree.seq_len, pairs / (tree.seq_len * (tree.seq_len + 1) / 2)
 
 
@@ -305,38 +306,10 @@ def extra_peak(fn, kept_bytes):
 def _sdpa_times(n, reps, device):
     """(fwd ms, fwd+bwd ms, extra GiB fwd+bwd) of cuDNN causal SDPA over one sequence of ``n``
     tokens."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    g = torch.Generator(device=device).manual_seed(n)
-    q = torch.randn(1, HEADS, n, DIM, device=device, generator=g, dtype=torch.bfloat16)
-    k = torch.randn(1, GROUPS, n, DIM, device=device, generator=g, dtype=torch.bfloat16)
-    v = torch.randn(1, GROUPS, n, DIM, device=device, generator=g, dtype=torch.bfloat16)
-    for t in (q, k, v):
-        t.requires_grad_()
-    do = torch.randn_like(q)
-
-    def fwd():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True
-            )
-
-    def both():
-        torch.autograd.backward(fwd(), do)
-        q.grad = k.grad = v.grad = None
-
-    def grads():
-        torch.autograd.backward(fwd(), do)
-        out = (q.grad, k.grad, v.grad)
-        q.grad = k.grad = v.grad = None
-        return out
-
+    fwd, both, grads, kept = causal_sdpa_calls(n, HEADS, GROUPS, DIM, torch.bfloat16, device)
     t = time_round_robin({"fwd": fwd, "both": both}, device, reps, 1)
     # The floor's own extra memory, counted as ours is: beyond its inputs, output and gradients.
-    row_bytes = q.numel() * q.element_size()
-    kv_bytes = 2 * k.numel() * k.element_size()
-    extra = extra_peak(grads, 2 * row_bytes + kv_bytes)
-    return t["fwd"], t["both"], extra
+    return t["fwd"], t["both"], extra_peak(grads, kept)
 
 
 def sdpa_floor(lengths, reps, device):

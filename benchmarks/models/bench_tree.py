@@ -65,8 +65,9 @@ import torch
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing, the shared helper
+sys.path.insert(0, str(_ROOT / "benchmarks"))  # timing and floor, the shared helpers
 
+from floor import causal_sdpa_calls, tree_visible_pairs  # noqa: E402
 from timing import GiB, extra_peak_bytes, time_round_robin  # noqa: E402
 
 from megatron.context_parallel import (  # noqa: E402
@@ -132,11 +133,6 @@ def make_batch(prompt: int, group: int, completion: int, vocab: int, seed: int) 
     g = torch.Generator().manual_seed(seed + prompt + 7 * group + 13 * completion)
     ids = torch.randint(0, vocab, (prompt + group * completion,), generator=g)
     return Batch(prompt, group, completion, ids)
-
-
-def visible_pairs(tree: PrefixTree) -> int:
-    """Query-key pairs the tree's causal mask allows: each row sees its position id + 1 keys."""
-    return int((tree.position_ids() + 1).sum())
 
 
 def pack_greedy(order: Sequence[int], length: int, cap: int) -> List[List[int]]:
@@ -448,30 +444,9 @@ def free(device: torch.device) -> None:
 
 def _floor_calls(length: int, args, device):
     """(fwd, fwd+bwd) of causal SDPA over one sequence of ``length`` tokens (cuDNN on CUDA)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    H, G, D = args.heads, args.groups, args.head_dim
-    dtype = getattr(torch, args.dtype)
-    g = torch.Generator(device=device).manual_seed(length)
-    q, k, v = (
-        torch.randn(1, n, length, D, device=device, generator=g).to(dtype).requires_grad_()
-        for n in (H, G, G)
+    fwd, both, _, _ = causal_sdpa_calls(
+        length, args.heads, args.groups, args.head_dim, getattr(torch, args.dtype), device
     )
-    do = torch.randn_like(q)
-
-    def fwd():
-        if device.type == "cuda":
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, enable_gqa=True
-                )
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True
-        )
-
-    def both():
-        torch.autograd.backward(fwd(), do)
-        q.grad = k.grad = v.grad = None
 
     def fwd_only():
         with torch.no_grad():
@@ -566,7 +541,7 @@ def attention_row(batch: Batch, args, device, mode: str) -> dict:
         args.reps,
         args.warmup,
     )
-    pairs = visible_pairs(tree)
+    pairs = tree_visible_pairs(tree)
     share = pairs / (length * (length + 1) / 2)
     floor_f, floor_b = t["floor fwd"] * share, t["floor fwd+bwd"] * share
     # A slice of rows: the prompt's last ones and the first and last completions' rows.

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "attention"))
 
 from bench_attention import DIM, GROUPS, HEADS, sdpa_floor  # noqa: E402
+from floor import tree_visible_pairs  # noqa: E402
 from timing import time_ms  # noqa: E402
 
 from megatron.context_parallel import ContextParallelPlan, PrefixTree  # noqa: E402
@@ -77,9 +78,7 @@ def main():
         g = torch.Generator(device=device).manual_seed(s)
         q = torch.randn(s, HEADS, DIM, device=device, generator=g).bfloat16()
         kv = torch.randn(s, GROUPS, 2 * DIM, device=device, generator=g).bfloat16()
-        pairs = int(prompt) * (int(prompt) + 1) // 2 + group * (
-            completion * int(prompt) + completion * (completion + 1) // 2
-        )
+        pairs = tree_visible_pairs(tree)
         floor = sdpa_floor([s], args.reps, device)[s]
         share = pairs / (s * (s + 1) / 2)
         print(f"## {item}: S {s}, visible pairs {pairs}, floor fwd {floor[0] * share:.2f} ms, "
