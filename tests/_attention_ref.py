@@ -121,23 +121,3 @@ def oracle_attention(query, keys, values, positions, sequence, owned, scale):
     scores = torch.einsum("nhd,shd->hns", query.double(), k) * scale
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     return torch.einsum("hns,shd->nhd", torch.softmax(scores, dim=-1), v)
-
-
-def require_distinct_sum_rows(monkeypatch) -> None:
-    """Make ``sums.add_rows`` / ``sums.add_key_rows`` raise on a repeated destination row.
-
-    On the CPU they add with ``index_add_``, which sums repeats; their CUDA passes add without
-    atomics, so a repeat there keeps one term (a wrong gradient only a GPU would show). Tests of
-    the tables call this so the CPU catches a caller that breaks the contract.
-    """
-    from megatron.context_parallel.attention import sums
-
-    def checked(fn):
-        def wrapper(acc, dst, *args, **kwargs):
-            assert dst.unique().numel() == dst.numel(), f"{fn.__name__}: a destination repeats"
-            return fn(acc, dst, *args, **kwargs)
-
-        return wrapper
-
-    monkeypatch.setattr(sums, "add_rows", checked(sums.add_rows))
-    monkeypatch.setattr(sums, "add_key_rows", checked(sums.add_key_rows))

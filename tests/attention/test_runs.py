@@ -18,7 +18,6 @@ from _attention_ref import (
     ReferenceKernel,
     SharedKeysReferenceKernel,
     oracle_attention,
-    require_distinct_sum_rows,
 )
 from _dist import run_distributed
 from hypothesis import given, settings
@@ -41,11 +40,6 @@ from megatron.context_parallel.attention.settings import (
     current_attention_settings,
 )
 from megatron.context_parallel.comm.mappings import gather_padded_from_context_parallel_region
-
-
-@pytest.fixture(autouse=True)
-def _distinct_sum_rows(monkeypatch):
-    require_distinct_sum_rows(monkeypatch)
 
 
 def _sequence(seq_len, cu):
