@@ -17,7 +17,7 @@ warm-ups, in milliseconds:
 Each case runs twice: on one intra-op thread (``serial``, the library's default,
 ``AttentionSettings.serial_host_ops``) and on torch's intra-op threads (``threads``).
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/probe_table_host.py [--reps 20]
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_table_host.py [--reps 20] [--named]
 """
 
 import argparse
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "attention"))
-from bench_attention import _sequence, cases  # noqa: E402
+from bench_attention import _sequence, cases, selected_cases  # noqa: E402
 from timing import time_ms  # noqa: E402
 
 from megatron.context_parallel.attention.blocks import build_attention_tables  # noqa: E402
@@ -75,6 +75,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=20436)
+    parser.add_argument(
+        "--named", action="store_true", help="bench_attention's named cases instead of its default"
+    )
     args = parser.parse_args()
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
@@ -85,7 +88,8 @@ def main():
     keys = ("build", "host", "pack", "pin", "copy", "on", "build + on", "busy")
     print("| case | layout | host ops | " + " | ".join(keys) + " |")
     print("|---|---|---|" + "---:|" * len(keys))
-    for name, plan, rank, cu in cases(args.seq_len):
+    chosen = selected_cases(args.seq_len, named=True) if args.named else cases(args.seq_len)
+    for name, plan, rank, cu in chosen:
         for serial in (False, True):
             with attention_settings(serial_host_ops=serial):
                 row = probe(plan, rank, _sequence(plan.seq_len, cu), args.reps, busy_work)
