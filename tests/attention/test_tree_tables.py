@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _attention_ref import ReferenceKernel, SharedKeysReferenceKernel
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron.context_parallel import ContextParallelPlan, PrefixTree, tree_plan
 from megatron.context_parallel.attention.fused import fused_attention
@@ -146,3 +148,19 @@ def test_a_segment_split_into_several_entries_sums_its_key_copies():
         assert sum(dst.numel() for dst, _ in rounds) == tables.own.mat_rows
         assert len(rounds) > 1 or not tables.own.materialize
     assert materialized, "the case no longer splits a segment into several entries"
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), cp=st.integers(1, 4))
+def test_random_trees_of_long_segments(seed, cp):
+    """Segments of up to 300 rows, so that a rank's runs of one segment stay separate entries
+    (gaps over the merge gap) under random plans as well as ``tree_plan``."""
+    g = torch.Generator().manual_seed(seed)
+    tree = _random_tree(g, segments=int(torch.randint(2, 7, (1,), generator=g)), max_len=300)
+    plan = (
+        tree_plan(tree, cp)
+        if seed % 2
+        else _random_plan(g, tree.seq_len, cp, unowned=False, empty=cp > 1 and seed % 3 == 0)
+    )
+    for rank in range(cp):
+        _check(tree, plan, rank, heads=2, groups=1, dim=4, seed=seed)
