@@ -1,7 +1,7 @@
 // Host builders of the fused attention's per-batch tables, registered as CPU torch ops
 // (namespace megatron_cp_host).
 //
-// megatron/context_parallel/attention_runs.py and attention_blocks.py hold the definitions, a
+// megatron/context_parallel/attention/runs.py and blocks.py hold the definitions, a
 // torch-op reference of each builder; the two are kept equal field by field
 // (tests/attention/test_tables_native.py).
 // The reference issues about a hundred small torch ops per batch, each paying the dispatcher
@@ -302,24 +302,63 @@ std::vector<at::Tensor> call_tables(const at::Tensor& q_start, const at::Tensor&
   return {len_q, len_kv, q_rows, kv_rows, m_rows, stats};
 }
 
-// Score elements a tiled kernel computes for entries (attention_blocks._tile_cost): whole query
+// Score elements a tiled kernel computes for entries (blocks._tile_cost): whole query
 // tiles of `tile` rows, a causal tile running to the key bound of its last row.
+int64_t entry_tile_cost(int64_t q, int64_t kv, bool causal, int64_t tile) {
+  const int64_t tiles = (q + tile - 1) / tile;
+  if (!causal) return tiles * tile * kv;
+  int64_t cost = 0;
+  for (int64_t k = 0; k < tiles; ++k) cost += tile * (kv - q + std::min((k + 1) * tile, q));
+  return cost;
+}
+
 double tile_cost(const at::Tensor& q_len, const at::Tensor& kv_len, bool causal, int64_t tile) {
   const int64_t* q = read(q_len, "tile_cost: q_len");
   const int64_t* kv = read(kv_len, "tile_cost: kv_len");
   TORCH_CHECK(kv_len.numel() == q_len.numel() && tile >= 1, "tile_cost: bad arguments");
   int64_t cost = 0;
-  for (int64_t e = 0; e < q_len.numel(); ++e) {
-    const int64_t tiles = (q[e] + tile - 1) / tile;
-    if (!causal) {
-      cost += tiles * tile * kv[e];
-      continue;
-    }
-    for (int64_t k = 0; k < tiles; ++k) {
-      cost += tile * (kv[e] - q[e] + std::min((k + 1) * tile, q[e]));
-    }
-  }
+  for (int64_t e = 0; e < q_len.numel(); ++e) cost += entry_tile_cost(q[e], kv[e], causal, tile);
   return static_cast<double>(cost);
+}
+
+// What the layout choice reads of the run tables (runs.run_entries then
+// blocks._tile_cost), without laying out a table: [the entries' causal tile cost, the
+// rows' own causal work]. The entries are run_tables' spans: sorted keys of one sequence closer
+// than the merge gap, each attending its sequence's keys up to its end. A plan that scatters a
+// rank's rows gives it about one entry per row, so this pass, not the tables, decides.
+std::vector<double> run_cost(const at::Tensor& positions, const at::Tensor& of_position,
+                             const at::Tensor& key_sequence, const at::Tensor& key_sequence_start,
+                             int64_t merge_gap, int64_t tile) {
+  const int64_t* pos = read(positions, "run_cost: positions");
+  const int64_t* of = read(of_position, "run_cost: of_position");
+  const int64_t* kseq = read(key_sequence, "run_cost: key_sequence");
+  const int64_t* kstart = read(key_sequence_start, "run_cost: key_sequence_start");
+  const int64_t n = positions.numel(), num_keys = key_sequence.numel();
+  const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
+  TORCH_CHECK(tile >= 1, "run_cost: tile must be positive");
+  std::vector<char> mine(num_keys, 0);
+  int64_t work = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), "run_cost: position ", pos[i],
+                " out of range");
+    const int64_t k = of[pos[i]];
+    TORCH_CHECK(k >= 0 && k < num_keys && !mine[k], "run_cost: local position ", pos[i],
+                " is not an owned position of its own");
+    mine[k] = 1;
+    work += k - kstart[k] + 1;
+  }
+  int64_t cost = 0, lo = -1, last = -1;
+  for (int64_t k = 0; k < num_keys; ++k) {
+    if (!mine[k]) continue;
+    if (lo >= 0 && (k - last > gap_limit || kseq[k] != kseq[last])) {
+      cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
+      lo = -1;
+    }
+    if (lo < 0) lo = k;
+    last = k;
+  }
+  if (lo >= 0) cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
+  return {static_cast<double>(cost), static_cast<double>(work)};
 }
 
 // One kernel call of the blocked layout (AttentionRuns.from_entries): its entries longest
@@ -573,6 +612,10 @@ TORCH_LIBRARY(megatron_cp_host, m) {
       "-> Tensor[]",
       &call_tables);
   m.def("tile_cost(Tensor q_len, Tensor kv_len, bool causal, int tile) -> float", &tile_cost);
+  m.def(
+      "run_cost(Tensor positions, Tensor of_position, Tensor key_sequence, "
+      "Tensor key_sequence_start, int merge_gap, int tile) -> float[]",
+      &run_cost);
   m.def(
       "block_tables(Tensor positions, Tensor of_position, Tensor key_slots, "
       "Tensor key_sequence_start, int group_rows, int span_budget, int slots, "

@@ -1,6 +1,6 @@
 """The C++ builders of the attention tables (csrc/host/) against the torch-op reference.
 
-``attention_runs`` and ``attention_blocks`` define every table by torch ops; the package
+``attention.runs`` and ``attention.blocks`` define every table by torch ops; the package
 builds them in C++ where ``megatron.context_parallel._host`` is built (every install with torch,
 CI included). Each test builds the same batch both ways and asks for equal tables: every
 attribute, and every per-call device table, with ``torch.equal``.
@@ -17,6 +17,7 @@ from attention.test_runs import _drawn_plan, _sequence
 from megatron.context_parallel import ContextParallelPlan, _extension
 from megatron.context_parallel.attention.blocks import (
     AttentionBlocks,
+    _run_cost,
     _tile_cost,
     build_attention_tables,
 )
@@ -91,6 +92,8 @@ def test_run_tables_equal_the_reference(
                 merge_gap=merge_gap, longest_first=longest_first,
             )  # fmt: skip
             _assert_same(native, reference, f"rank {rank}")
+            costs = _both(mp, _run_cost, plan, rank, sequence, keys[0])
+            assert costs[0] == costs[1], f"run cost, rank {rank}"
             chosen = _both(mp, build_attention_tables, plan, rank, sequence)
             _assert_same(chosen[0], chosen[1], f"chosen, rank {rank}")
 
@@ -153,6 +156,8 @@ def test_bad_inputs_raise_naming_the_table():
     with pytest.raises(RuntimeError, match="position 2 is not an owned position"):
         OPS.run_tables(unowned, keys[1], torch.zeros(4, dtype=torch.int64), keys[0], keys[2],
                        keys[3], 0, 64, True, 4, True)  # fmt: skip
+    with pytest.raises(RuntimeError, match="run_cost: local position 2 is not an owned position"):
+        OPS.run_cost(unowned, keys[1], keys[2], keys[3], 64, 128)
 
 
 @pytest.mark.skipif(OPS is None, reason="host builders not built")
@@ -168,6 +173,42 @@ def test_tile_cost_equals_the_reference(entries, causal, tile):
     with pytest.MonkeyPatch.context() as mp:
         native, reference = _both(mp, _tile_cost, q_len, kv_len, causal, tile)
     assert native == reference
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(1, 3000),
+    block=st.sampled_from([1, 17, 21, 63, 64, 200]),
+    sequences=st.integers(1, 12),
+    unowned=st.booleans(),
+)
+def test_run_cost_reads_what_the_run_tables_hold(seed, cp, seq_len, block, sequences, unowned):
+    # The layout choice's one pass (C++ run_cost) against the run tables themselves, built by
+    # the torch reference: blocks of positions dealt at random over the ranks (and nobody), so
+    # runs are cut far apart, at the 64-row merge gap exactly (63-row blocks between) and within
+    # packed sequences.
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(1, seq_len, (sequences - 1,), generator=g) if seq_len > 1 else None
+    cu = None if cuts is None else (0, *sorted(set(cuts.tolist())), seq_len)
+    owner = torch.randint(0, cp + int(unowned), (-(-seq_len // block),), generator=g)
+    owner = owner.repeat_interleave(block)[:seq_len]
+    ranks = [torch.nonzero(owner == r).flatten() for r in range(cp)]
+    ranks = [p[torch.randperm(p.numel(), generator=g)] for p in ranks]
+    plan = ContextParallelPlan.from_rank_positions(ranks, seq_len, cu)
+    sequence = _sequence(seq_len, cu)
+    keys = CompactKeys(plan, sequence)
+    with pytest.MonkeyPatch.context() as mp:
+        for rank in range(cp):
+            if plan.counts[rank] == 0:
+                continue
+            mp.setattr(_extension, "host_tables", lambda: None)
+            runs = AttentionRuns.build(plan, rank, sequence, keys=keys)
+            expected = (_tile_cost(runs.q_len, runs.kv_len, True), runs.work)
+            mp.undo()
+            assert _run_cost(plan, rank, sequence, keys) == expected, f"rank {rank}"
 
 
 def test_device_tables_are_the_host_tables_in_one_copy():

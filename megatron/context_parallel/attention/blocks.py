@@ -39,6 +39,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from megatron.context_parallel.attention.runs import (
+    DEFAULT_MERGE_GAP,
     INT32_TABLES,
     AttentionRuns,
     CompactKeys,
@@ -53,10 +54,11 @@ from megatron.context_parallel.comm.plan import ContextParallelPlan
 
 __all__ = ["AttentionBlocks", "DeviceBlocks", "build_attention_tables", "choose_layout"]
 
-DEFAULT_GROUP_ROWS = 128  # a query tile of the kernel: the bulk entries fill whole tiles
-# The layout choice builds the run tables first while their key-gradient rows (one copy of a
-# run's keys, from its sequence's start, per run) stay under this many times the keys.
-COPIES_BUILT_FIRST = 2
+KERNEL_TILE = 128  # query rows of the kernel's tile, as the layout choice counts work
+DEFAULT_GROUP_ROWS = KERNEL_TILE  # the bulk entries fill whole tiles
+# The blocked layout is chosen when the run tables' tiles would compute over this many times its
+# work (or the rows' own causal work): its merge and gradient sums cost a few percent.
+LAYOUT_MARGIN = 1.15
 DEFAULT_SPAN_BUDGET = 16384  # span rows per diagonal call (H200: 4096 cost 7% at S = 131,072)
 
 
@@ -410,17 +412,24 @@ def _touched_rows(c: AttentionRuns) -> torch.Tensor:
     return torch.arange(int(ends[-1])) + shift
 
 
-def _copied_key_rows(positions: torch.Tensor, keys: CompactKeys) -> int:
-    """An upper bound of the run tables' key-gradient rows for these local rows (in local order):
-    each maximal run of consecutive positions reads its sequence's keys up to its end."""
-    if positions.numel() == 0:
-        return 0
-    last = torch.nonzero(positions[1:] - positions[:-1] != 1).flatten()
-    ends = keys.of_position[torch.cat([positions[last], positions[-1:]])]
-    return int((ends - keys.sequence_start[ends] + 1).sum())
+def _run_cost(plan, rank: int, sequence: torch.Tensor, keys: CompactKeys) -> Tuple[float, int]:
+    """``(tile cost, work)`` of the run tables ``AttentionRuns.build`` would make for this rank:
+    ``_tile_cost`` of their causal entries and the rows' own causal score elements, without
+    laying out a table (C++ ``run_cost`` in one pass where built)."""
+    ops = host_ops()
+    if ops is not None:
+        cost, work = ops.run_cost(
+            plan.local_positions(rank), keys.of_position, keys.sequence, keys.sequence_start,
+            DEFAULT_MERGE_GAP, KERNEL_TILE,
+        )  # fmt: skip
+        return cost, int(work)
+    q_len, kv_len, work = run_entries(plan, rank, sequence, keys)
+    return _tile_cost(q_len, kv_len, True), work
 
 
-def _tile_cost(q_len: torch.Tensor, kv_len: torch.Tensor, causal: bool, tile: int = 128) -> float:
+def _tile_cost(
+    q_len: torch.Tensor, kv_len: torch.Tensor, causal: bool, tile: int = KERNEL_TILE
+) -> float:
     """Score elements a tiled kernel computes for entries: whole query tiles of ``tile`` rows,
     a causal tile running to the key bound of its last row."""
     ops = host_ops()
@@ -446,7 +455,9 @@ def _blocks_cost(blocks: AttentionBlocks) -> float:
     return cost
 
 
-def choose_layout(runs: AttentionRuns, blocks: AttentionBlocks, margin: float = 1.15) -> str:
+def choose_layout(
+    runs: AttentionRuns, blocks: AttentionBlocks, margin: float = LAYOUT_MARGIN
+) -> str:
     """``"runs"`` or ``"blocks"``: the blocked layout when the run tables' tiles would compute
     over ``margin`` times its work (its merge and gradient sums cost a few percent)."""
     runs_cost = _tile_cost(runs.q_len, runs.kv_len, True)
@@ -466,21 +477,14 @@ def build_attention_tables(
 
     if padding_rows or plan.counts[rank] == 0:
         return runs()
-    if _copied_key_rows(plan.local_positions(rank), keys) <= COPIES_BUILT_FIRST * keys.count:
-        # Small run tables: build them, and the choice reads them.
-        built = runs()
-        q_len, kv_len, work = built.q_len, built.kv_len, built.work
-    else:
-        # The choice reads the run entries alone: the full run tables of a sequence cut into
-        # many runs give every run its own key-gradient rows (0.5 GB at S = 131,072 for 64-row
-        # blocks over CP 4), far more than the blocked tables that then win.
-        built = None
-        q_len, kv_len, work = run_entries(plan, rank, sequence, keys)
-    runs_cost = _tile_cost(q_len, kv_len, True)
+    # The choice reads the run entries alone, and only the chosen layout is laid out: the run
+    # tables of a sequence cut into many runs give every run its own key-gradient rows (0.5 GB
+    # at S = 131,072 for 64-row blocks over CP 4), far more than the blocked tables that win.
+    runs_cost, work = _run_cost(plan, rank, sequence, keys)
     # Run tables within the margin of the rows' own causal work need no comparison.
-    if runs_cost <= 1.15 * work:
-        return built if built is not None else runs()
+    if runs_cost <= LAYOUT_MARGIN * work:
+        return runs()
     blocks = AttentionBlocks.build(plan, rank, sequence, keys=keys)
-    if runs_cost > 1.15 * _blocks_cost(blocks):
+    if runs_cost > LAYOUT_MARGIN * _blocks_cost(blocks):
         return blocks
-    return built if built is not None else runs()
+    return runs()
