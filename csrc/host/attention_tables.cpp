@@ -264,8 +264,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
 
 // The device layout of one kernel call (AttentionRuns._host_tables): per-entry lengths and
 // starts padded to `batch` entries (padding entries and the closing offset point past the last
-// row), and the query row of each padded statistics slot (entry, i) or -1. Returns
-//   seq_len_q, seq_len_kv, q_rows, kv_rows, mat_rows, stats_index.
+// row). Returns seq_len_q, seq_len_kv, q_rows, kv_rows, mat_rows.
 std::vector<at::Tensor> call_tables(const at::Tensor& q_start, const at::Tensor& q_len,
                                     const at::Tensor& k_start, const at::Tensor& kv_len,
                                     const at::Tensor& mat_start, int64_t batch, int64_t max_q,
@@ -281,10 +280,9 @@ std::vector<at::Tensor> call_tables(const at::Tensor& q_start, const at::Tensor&
   at::Tensor q_rows = at::empty({batch + 1}, at::kLong);
   at::Tensor kv_rows = at::empty({batch + 1}, at::kLong);
   at::Tensor m_rows = at::empty({batch + 1}, at::kLong);
-  at::Tensor stats = at::full({batch * max_q}, -1, at::kLong);
   int64_t *lq = len_q.data_ptr<int64_t>(), *lk = len_kv.data_ptr<int64_t>();
   int64_t *qr = q_rows.data_ptr<int64_t>(), *kr = kv_rows.data_ptr<int64_t>();
-  int64_t *mr = m_rows.data_ptr<int64_t>(), *st = stats.data_ptr<int64_t>();
+  int64_t *mr = m_rows.data_ptr<int64_t>();
   for (int64_t e = 0; e <= batch; ++e) {
     const bool real = e < entries;
     if (e < batch) {
@@ -294,12 +292,10 @@ std::vector<at::Tensor> call_tables(const at::Tensor& q_start, const at::Tensor&
     qr[e] = real ? qs[e] : query_rows;
     kr[e] = real ? ks[e] : num_keys;
     mr[e] = real ? ms[e] : mat_rows;
-    if (real) {
-      TORCH_CHECK(ql[e] <= max_q, "call_tables: entry of ", ql[e], " rows over max_q ", max_q);
-      for (int64_t i = 0; i < ql[e]; ++i) st[e * max_q + i] = qs[e] + i;
-    }
+    TORCH_CHECK(!real || ql[e] <= max_q, "call_tables: entry of ", ql[e], " rows over max_q ",
+                max_q);
   }
-  return {len_q, len_kv, q_rows, kv_rows, m_rows, stats};
+  return {len_q, len_kv, q_rows, kv_rows, m_rows};
 }
 
 // Score elements a tiled kernel computes for entries (blocks._tile_cost): whole query

@@ -235,3 +235,21 @@ def test_device_tables_are_the_host_tables_in_one_copy():
         assert torch.equal(moved, host)
     if blocks.has_bulk is not None:
         assert torch.equal(dev.has_bulk.flatten(), blocks.has_bulk)
+
+
+def test_the_statistics_index_is_each_entrys_query_rows_padded():
+    # The backward reads the forward's [rows, H] statistics padded to [batch, max_q] slots; the
+    # index of those slots is made on the device from the entries' starts and lengths. Built
+    # here entry by entry from the host tables, with padding entries and a max_q over the
+    # longest entry (a shared kernel shape).
+    plan, cu = _drawn_plan(11, 3, 400, True, 0.1)
+    sequence = _sequence(plan.seq_len, cu)
+    blocks = AttentionBlocks.build(plan, 0, sequence, group_rows=4, span_budget=40)
+    for call in blocks.calls() + [AttentionRuns.build(plan, r, sequence) for r in range(3)]:
+        for max_q in (call.max_q, 2 * call.max_q):
+            expected = torch.full((call.batch, max_q), -1, dtype=torch.int64)
+            for e in range(call.entries):
+                start, rows = int(call.q_start[e]), int(call.q_len[e])
+                expected[e, :rows] = torch.arange(start, start + rows)
+            index = call.on("cpu").stats_index(max_q)
+            assert torch.equal(index, expected.flatten()), call.describe()

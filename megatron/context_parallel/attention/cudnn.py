@@ -488,5 +488,5 @@ def _padded_stats(stats: torch.Tensor, dev, runs, heads: int) -> torch.Tensor:
     """fp32 ``[batch, H, max_q, 1]`` from the forward's packed ``[Tq, H]`` statistics."""
     from megatron.context_parallel.comm import row_ops
 
-    rows = row_ops.gather_rows(stats, dev.stats_index)  # [batch * max_q, H], -1 slots zero
+    rows = row_ops.gather_rows(stats, dev.stats_index(runs.max_q))  # [batch * max_q, H]
     return rows.view(runs.batch, runs.max_q, heads).permute(0, 2, 1).contiguous().unsqueeze(-1)

@@ -321,8 +321,6 @@ class DeviceRuns:
         mat_rows: int64 ``[batch + 1]``, first row of each entry in the backward's key buffer.
         span_source / local_to_span / kv_source / compact_slots / slot_copies: as on
             ``AttentionRuns``.
-        stats_index: int64 ``[batch * max_q]``, the query-buffer row of each padded statistics
-            slot ``(entry, i)`` or -1.
     """
 
     seq_len_q: torch.Tensor
@@ -335,7 +333,6 @@ class DeviceRuns:
     kv_source: Optional[torch.Tensor]
     compact_slots: Optional[torch.Tensor]
     slot_copies: Optional[torch.Tensor]
-    stats_index: torch.Tensor
     _offsets: Dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def offsets(self, which: str, stride: int) -> torch.Tensor:
@@ -344,6 +341,20 @@ class DeviceRuns:
         out = self._offsets.get(key)
         if out is None:
             out = (getattr(self, which) * int(stride)).reshape(-1, 1, 1, 1).contiguous()
+            self._offsets[key] = out
+        return out
+
+    def stats_index(self, max_q: int) -> torch.Tensor:
+        """int64 ``[batch * max_q]``: the query-buffer row of each padded statistics slot
+        ``(entry, i)``, -1 past the entry's rows. Made on the device at first use: it follows
+        from ``q_rows`` and ``seq_len_q``, and copied from the host it was the largest table
+        (half the bytes of a blocked layout's)."""
+        key = ("stats", int(max_q))
+        out = self._offsets.get(key)
+        if out is None:
+            slot = torch.arange(int(max_q), device=self.q_rows.device)
+            rows = self.q_rows[:-1, None] + slot
+            out = torch.where(slot < self.seq_len_q.view(-1, 1), rows, -1).flatten()
             self._offsets[key] = out
         return out
 
@@ -568,7 +579,7 @@ class AttentionRuns(ReadOnlyTables):
                 self.q_start, self.q_len, self.k_start, self.kv_len, self.mat_start, self.batch,
                 self.max_q, self.query_rows, self.num_keys, self.mat_rows,
             )  # fmt: skip
-            names = ("seq_len_q", "seq_len_kv", "q_rows", "kv_rows", "mat_rows", "stats_index")
+            names = ("seq_len_q", "seq_len_kv", "q_rows", "kv_rows", "mat_rows")
             host = dict(zip(names, parts))
         else:
             host = self._reference_call_tables()
@@ -589,19 +600,12 @@ class AttentionRuns(ReadOnlyTables):
             # Padding entries (and the closing offset) point past the last row.
             return torch.cat([values, torch.full((pad + 1,), total, dtype=torch.int64)])
 
-        slot = torch.arange(self.max_q)
-        stats_index = torch.full((self.batch, self.max_q), -1, dtype=torch.int64)
-        if self.entries:
-            valid = slot[None, :] < self.q_len[:, None]
-            rows = self.q_start[:, None] + slot[None, :]
-            stats_index[: self.entries] = torch.where(valid, rows, -1)
         return {
             "seq_len_q": torch.cat([self.q_len, self.q_len.new_zeros(pad)]),
             "seq_len_kv": torch.cat([self.kv_len, self.kv_len.new_zeros(pad)]),
             "q_rows": starts(self.q_start, self.query_rows),
             "kv_rows": starts(self.k_start, self.num_keys),
             "mat_rows": starts(self.mat_start, self.mat_rows),
-            "stats_index": stats_index.flatten(),
         }
 
     def _adopt(self, device: torch.device, parts: Dict[str, Optional[torch.Tensor]]):
