@@ -3,7 +3,7 @@
 #
 # Usage (repo root):
 #   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|head|
-#                             gluon-topk|gdn|attention|tree|tree-hybrid]
+#                             gluon-topk|gdn|attention|tree|tree-hybrid|top-left]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention | tree | tree-hybrid) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention | tree | tree-hybrid | top-left) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -163,13 +163,47 @@ if [[ "$mode" == tree-hybrid ]]; then
   # The tree benchmark's GDN hybrid rows alone (the GDN layer, then the whole step; fla compiles
   # its tree variants on first use, which took the rows past 190-230 s in calls that also ran
   # other sections). TREE_HYBRID_ARGS default: the first GRPO batch, pattern G-*-, 2 rounds.
+  # The extension first (~35 s): without it the row ops fall back to torch, slower.
   carry_wheels
+  echo "== build"
+  { time MCP_FORCE_CUDA_BUILD=1 "$py" setup.py build_ext --inplace; } >"$out/build.log" 2>&1
+  tail -n 3 "$out/build.log"
   echo "== tree benchmark, GDN hybrid rows"
   # shellcheck disable=SC2086 # TREE_HYBRID_ARGS is a list of options
   timeout -s INT "${BENCH_TIMEOUT:-540}" "$py" benchmarks/models/bench_tree.py \
     --lift-fla-hopper-guard --attention skip --no-model \
     ${TREE_HYBRID_ARGS:---batches 4096+8x1024 --hybrid-pattern G-*- --reps 2} --out "$out" 2>&1 \
     | tee "$out/bench_tree_hybrid.log" | grep -v -i warn | tail -n 30
+  exit 0
+fi
+
+if [[ "$mode" == top-left ]]; then
+  # Whether cuDNN's ragged causal backward skips masked tiles with the diagonal aligned top-left
+  # (CudnnOptions.square_top_left; the same mask on square entries): the attention GPU tests
+  # (fused plans and tree tables, both alignments against the oracle), each tree call timed
+  # alone in both alignments (probe_tree_calls.py), then the tree attention rows both ways.
+  # ~400 s. Carry .whl. Logs: build.log, attention_tests.log, tree_calls.log, tree_{br,tl}/.
+  carry_wheels
+  echo "== build"
+  { time MCP_FORCE_CUDA_BUILD=1 "$py" setup.py build_ext --inplace; } >"$out/build.log" 2>&1
+  tail -n 3 "$out/build.log"
+  xdist=()
+  "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+  echo "== attention GPU tests"
+  timeout -s INT "${TESTS_TIMEOUT:-150}" "$py" -m pytest tests/attention/test_fused_cuda.py \
+    tests/attention/test_tree_tables_cuda.py -q -rf "${xdist[@]}" -p no:cacheprovider 2>&1 \
+    | tee "$out/attention_tests.log" | tail -n 8
+  echo "== tree calls, both alignments"
+  timeout -s INT 90 "$py" benchmarks/probes/probe_tree_calls.py 2>&1 \
+    | tee "$out/tree_calls.log" | grep -E "^\||Error" | tail -n 30
+  for variant in br tl; do
+    echo "== tree attention ($variant)"
+    flag=()
+    [[ $variant == tl ]] && flag=(--square-top-left)
+    timeout -s INT 75 "$py" benchmarks/models/bench_tree.py --no-model --no-hybrid --reps 3 \
+      "${flag[@]}" --out "$out/tree_$variant" 2>&1 | tee "$out/tree_$variant.log" \
+      | grep -E "^\||Error" | tail -n 8
+  done
   exit 0
 fi
 
