@@ -92,6 +92,16 @@ def test_probe_build_policy_replays_graph_builds_on_the_cpu():
     assert set(rows) == {"16:1", "1:2"} and 0 < rows["1:2"] < rows["16:1"], out
 
 
+def test_probe_rectangles_reads_the_run_plans_on_the_cpu():
+    # The rectangle model's table: a square entry computed as a triangle can only lower a plan's
+    # work, and zigzag CP 2 (one square and one rectangle of equal rows) reads 1.25 and 1.12.
+    out = _run(["benchmarks/probes/probe_rectangles.py", "--sizes", "4096"])
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+    ratios = {r[0].strip(): (float(r[4]), float(r[5])) for r in rows[1:]}
+    assert ratios["zigzag_cp2 r0"] == (1.25, 1.12), out
+    assert all(apart <= whole for whole, apart in ratios.values()) and len(ratios) >= 4, out
+
+
 def test_bench_attention_tables_only_on_the_cpu():
     # Every case's tables build and copy on the CPU, by the C++ builders and the torch ops: the
     # default cases, every named plan kind (issue 44) and the GRPO trees (tiny ones here).
