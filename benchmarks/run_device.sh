@@ -3,7 +3,7 @@
 #
 # Usage (repo root):
 #   benchmarks/run_device.sh [all|build-test|bench|tune|image|head-and-errors|head-sweep|topk|head|
-#                             gluon-topk|gdn|attention|tree|tree-hybrid|top-left]
+#                             gluon-topk|gdn|attention|tree|tree-hybrid]
 # (default all)
 # Logs go to $OUT (or ./out when OUT is unset): env.txt, build.log, tests.log, bench.log,
 # bench.md, bench.json, sanitize.log, tune.log, suite.log, probe.log.
@@ -21,7 +21,7 @@ set -uo pipefail
 
 mode="${1:-all}"
 case "$mode" in
-  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention | tree | tree-hybrid | top-left) ;;
+  all | build-test | bench | tune | image | head-and-errors | head-sweep | topk | head | gluon-topk | gdn | attention | tree | tree-hybrid) ;;
   *) echo "unknown mode: $mode" >&2; exit 2 ;;
 esac
 
@@ -115,24 +115,33 @@ if [[ "$mode" == gluon-topk ]]; then
 fi
 
 if [[ "$mode" == attention ]]; then
-  # The fused attention (issue 26): the extension (row gathers), the GPU tests against the
-  # float64 oracle, then bench_attention.py with BENCH_ARGS (default: every case, both layouts
-  # where the choice matters). nvidia-cudnn-frontend and pytest-xdist from .whl: carry it.
-  # Logs: build.log, attention_tests.log, bench_attention.{log,json,md}.
+  # The fused attention: the extension (row gathers), the GPU tests of the plans and the tree
+  # tables against the float64 oracle, the tree attention rows (bench_tree.py, no model), then
+  # bench_attention.py with BENCH_ARGS (default: the named plans at both sizes, both layouts and
+  # the larger-group blocked variants beside the choice), and the tables' host time on this
+  # machine (probe_table_host.py --named). ~500 s. nvidia-cudnn-frontend and pytest-xdist from
+  # .whl: carry it. Logs: build.log, attention_tests.log, tree/, bench_attention.*, table_host.log.
   carry_wheels
   echo "== build"
   { time MCP_FORCE_CUDA_BUILD=1 "$py" setup.py build_ext --inplace; } >"$out/build.log" 2>&1
   tail -n 3 "$out/build.log"
   xdist=()
-  "$py" -c "import xdist" 2>/dev/null && xdist=(-n 4)
+  "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
   echo "== attention GPU tests"
-  timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest tests/attention/test_fused_cuda.py -q -rs \
-    "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$out/attention_tests.log" | tail -n 15
+  timeout -s INT "${TESTS_TIMEOUT:-150}" "$py" -m pytest tests/attention/test_fused_cuda.py \
+    tests/attention/test_tree_tables_cuda.py -q -rf "${xdist[@]}" -p no:cacheprovider 2>&1 \
+    | tee "$out/attention_tests.log" | tail -n 8
+  echo "== tree attention"
+  timeout -s INT 75 "$py" benchmarks/models/bench_tree.py --no-model --no-hybrid --reps 3 \
+    --out "$out/tree" 2>&1 | tee "$out/tree.log" | grep -E "^\||Error" | tail -n 8
   echo "== attention benchmark"
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of options
-  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/attention/bench_attention.py \
-    ${BENCH_ARGS:---compare-layouts --reps 3} --out "$out" 2>&1 \
-    | tee "$out/bench_attention.log" | tail -n 30
+  timeout -s INT "${BENCH_TIMEOUT:-300}" "$py" benchmarks/attention/bench_attention.py \
+    ${BENCH_ARGS:---named --no-flex --no-graph-builds --compare-layouts --block-variants --reps 3} \
+    --out "$out" 2>&1 | tee "$out/bench_attention.log" | grep -E "^\||Error" | tail -n 30
+  echo "== tables on this host"
+  timeout -s INT 60 "$py" benchmarks/probes/probe_table_host.py --named --reps 10 2>&1 \
+    | tee "$out/table_host.log" | grep -E "^\||Error" | tail -n 20
   exit 0
 fi
 
@@ -174,36 +183,6 @@ if [[ "$mode" == tree-hybrid ]]; then
     --lift-fla-hopper-guard --attention skip --no-model \
     ${TREE_HYBRID_ARGS:---batches 4096+8x1024 --hybrid-pattern G-*- --reps 2} --out "$out" 2>&1 \
     | tee "$out/bench_tree_hybrid.log" | grep -v -i warn | tail -n 30
-  exit 0
-fi
-
-if [[ "$mode" == top-left ]]; then
-  # Whether cuDNN's ragged causal backward skips masked tiles with the diagonal aligned top-left
-  # (CudnnOptions.square_top_left; the same mask on square entries): the attention GPU tests
-  # (fused plans and tree tables, both alignments against the oracle), each tree call timed
-  # alone in both alignments (probe_tree_calls.py), then the tree attention rows both ways.
-  # ~400 s. Carry .whl. Logs: build.log, attention_tests.log, tree_calls.log, tree_{br,tl}/.
-  carry_wheels
-  echo "== build"
-  { time MCP_FORCE_CUDA_BUILD=1 "$py" setup.py build_ext --inplace; } >"$out/build.log" 2>&1
-  tail -n 3 "$out/build.log"
-  xdist=()
-  "$py" -c "import xdist" 2>/dev/null && xdist=(-n 8)
-  echo "== attention GPU tests"
-  timeout -s INT "${TESTS_TIMEOUT:-150}" "$py" -m pytest tests/attention/test_fused_cuda.py \
-    tests/attention/test_tree_tables_cuda.py -q -rf "${xdist[@]}" -p no:cacheprovider 2>&1 \
-    | tee "$out/attention_tests.log" | tail -n 8
-  echo "== tree calls, both alignments"
-  timeout -s INT 90 "$py" benchmarks/probes/probe_tree_calls.py 2>&1 \
-    | tee "$out/tree_calls.log" | grep -E "^\||Error" | tail -n 30
-  for variant in br tl; do
-    echo "== tree attention ($variant)"
-    flag=()
-    [[ $variant == tl ]] && flag=(--square-top-left)
-    timeout -s INT 75 "$py" benchmarks/models/bench_tree.py --no-model --no-hybrid --reps 3 \
-      "${flag[@]}" --out "$out/tree_$variant" 2>&1 | tee "$out/tree_$variant.log" \
-      | grep -E "^\||Error" | tail -n 8
-  done
   exit 0
 fi
 

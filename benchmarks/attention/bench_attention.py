@@ -92,9 +92,11 @@ VARIANTS = (
     ("copies", {}, False),
 )
 # Blocked-layout settings, for --block-variants.
+# Larger groups: on run plans a group is a range of one run, its diagonal a square the
+# backward runs at the floor with the diagonal top-left, its bulk an unmasked prefix.
 BLOCK_VARIANTS = (
-    ("groups-256", {"layout": "blocks", "group_rows": 256}, True),
-    ("spans-4k", {"layout": "blocks", "span_budget": 4096}, True),
+    ("groups-1024", {"layout": "blocks", "group_rows": 1024}, True),
+    ("groups-4096", {"layout": "blocks", "group_rows": 4096}, True),
 )
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 

@@ -506,11 +506,11 @@ def attention_row(batch: Batch, args, device, mode: str) -> dict:
         row["tables"] = type(runs).__name__
 
         kernel = None
-        if args.square_top_left:
+        if args.bottom_right:
             from megatron.context_parallel.attention import cudnn
 
-            kernel = cudnn.CudnnKernel(cudnn.CudnnOptions(square_top_left=True))
-            row["diagonal"] = "top-left on all-square calls"
+            kernel = cudnn.CudnnKernel(cudnn.CudnnOptions(square_top_left=False))
+            row["diagonal"] = "bottom-right on every causal call"
 
         def attend(qq, kk):
             return fused_attention(qq, kk, runs, scale, kernel=kernel)
@@ -772,10 +772,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--floor-len", type=int, default=0, help="floor's sequence (default: S)")
     p.add_argument(
-        "--square-top-left",
+        "--bottom-right",
         action="store_true",
-        help="the attention row with CudnnOptions(square_top_left=True): calls of square causal "
-        "entries (the tree's own part at CP 1) align the diagonal top-left, the same mask",
+        help="the attention row with CudnnOptions(square_top_left=False): calls of square "
+        "causal entries (the tree's own part at CP 1) keep the diagonal bottom-right, the same "
+        "mask, whose backward skips no masked tile",
     )
     p.add_argument("--no-model", action="store_true", help="skip the GPTModel rows")
     p.add_argument("--no-hybrid", action="store_true", help="skip the GDN hybrid rows")

@@ -35,6 +35,7 @@ from megatron.context_parallel.attention.runs import AttentionRuns  # noqa: E402
 from megatron.context_parallel.attention.tree_tables import TreeTables  # noqa: E402
 
 TOP_LEFT = cudnn_kernel.CudnnKernel(cudnn_kernel.CudnnOptions(square_top_left=True))
+BOTTOM_RIGHT = cudnn_kernel.CudnnKernel(cudnn_kernel.CudnnOptions(square_top_left=False))
 
 
 def _call_times(q, kv, runs, reps, kernel=cudnn_kernel.KERNEL):
@@ -105,7 +106,7 @@ def main():
             )
             p = int(causal_pairs.sum())
             shape = (runs.batch, runs.max_q, runs.max_kv)
-            kernels = [("", cudnn_kernel.KERNEL)]
+            kernels = [("", BOTTOM_RIGHT)]
             if cudnn_kernel.diagonal(runs, TOP_LEFT.options) == "top_left":
                 kernels.append((", diagonal top-left", TOP_LEFT))
             for label, kernel in kernels:

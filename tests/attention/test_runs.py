@@ -475,8 +475,8 @@ def test_backward_graphs_are_sized_for_the_largest_totals_so_far(monkeypatch):
 
 
 def test_the_causal_diagonal_of_a_call():
-    """Bottom-right by default; top-left only when asked and every entry is square (the same
-    mask); none for an unmasked call."""
+    """Top-left by default where every entry is square (the same mask), bottom-right where
+    asked or any entry is not; none for an unmasked call."""
     from megatron.context_parallel.attention.cudnn import CudnnOptions, diagonal
 
     def call(q_len, kv_len, causal=True):
@@ -488,9 +488,9 @@ def test_the_causal_diagonal_of_a_call():
             query_rows=int(q_len.sum()), num_keys=int(kv_len.sum()), causal=causal,
         )  # fmt: skip
 
-    top_left = CudnnOptions(square_top_left=True)
+    top_left = CudnnOptions()
     square, tall = call([5, 3], [5, 3]), call([5, 3], [9, 3])
-    assert diagonal(square, CudnnOptions()) == "bottom_right"
+    assert diagonal(square, CudnnOptions(square_top_left=False)) == "bottom_right"
     assert diagonal(square, top_left) == "top_left"
     assert diagonal(tall, top_left) == "bottom_right"
     assert diagonal(call([5, 3], [5, 3], causal=False), top_left) is None

@@ -76,16 +76,19 @@ class CudnnOptions:
             ``(name, value)`` pairs (probes try cuDNN's dynamic shapes and kernel cache).
         square_top_left: a causal call whose entries are all square (each entry's rows run
             from its sequence's first key, ``q_len == kv_len``) aligns the diagonal to the
-            top-left corner, which for a square is the same mask. Off: not yet measured; for
-            ``probes/probe_tree_calls.py``, which asks whether cuDNN's ragged causal backward
-            (1.9x the floor's per-pair time on a 16,384-row square, H100) is faster so.
+            top-left corner, which for a square is the same mask. cuDNN's ragged backward skips
+            the masked tiles so and not with the diagonal bottom-right: on an H100 a
+            16,384-row square's backward took 14.7 ms against 27.6 (0.98-1.10x the floor's
+            per-pair time against 1.95-2.07x), the GRPO trees' attention 1.16x / 1.42x the
+            floor fwd+bwd against 1.57x / 1.61x (``probes/probe_tree_calls.py``,
+            ``bench_tree.py``). The forward is the same either way.
     """
 
     shared_keys_in_backward: bool = True
     separate_key_gradients: bool = True
     exact_key_workspace: bool = True
     graph_options: Tuple[Tuple[str, object], ...] = ()
-    square_top_left: bool = False
+    square_top_left: bool = True
 
 
 def diagonal(runs, options: CudnnOptions) -> Optional[str]:
