@@ -248,10 +248,14 @@ class _TreeAttention(torch.autograd.Function):
         q = query.contiguous()
         kv = _compact_kv(kv_slots, dev.compact_slots)
         o, lse = _own_forward(q, kv, tables.own, kernel, scale)
-        for call, rows in zip(tables.levels, dev.level_rows):
-            o_l, lse_l = kernel.forward(
-                row_ops.gather_rows(q, rows), kv, call, call.on(q.device), scale, True
-            )
+        o, lse = o.contiguous(), lse.contiguous()  # merged into in place, by row ranges
+        for call, rows, part in zip(tables.levels, dev.level_rows, dev.level_slices):
+            cd = call.on(q.device)
+            if part is not None:  # the level's rows are one range of local rows: in place
+                o_l, lse_l = kernel.forward(q[part], kv, call, cd, scale, True)
+                sums.merge(o_l, lse_l, o[part], lse[part], out=(o[part], lse[part]))
+                continue
+            o_l, lse_l = kernel.forward(row_ops.gather_rows(q, rows), kv, call, cd, scale, True)
             o_m, lse_m = sums.merge(o_l, lse_l, o.index_select(0, rows), lse.index_select(0, rows))
             # In place: o and lse are this forward's own buffers (the kernel's outputs).
             o.index_copy_(0, rows, o_m)
@@ -268,7 +272,6 @@ class _TreeAttention(torch.autograd.Function):
         dev = tables.on(q.device)
         do = grad_out.contiguous()
         acc = torch.promote_types(q.dtype, torch.float32)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         args = (ctx.scale, ctx.deterministic)
         own = tables.own
@@ -283,16 +286,25 @@ class _TreeAttention(torch.autograd.Function):
             )  # fmt: skip
             if not own.identity:
                 dq_own = row_ops.gather_rows(dq_own, od.local_to_span)
-            dq += dq_own
+            # The accumulator starts as the own part's gradient (a copy: every row has one).
+            dq = dq_own.to(acc, copy=True)
             for dst, src in dev.own_rounds:
                 sums.add_key_rows(dkv, dst, dkv_own, src)
-        for call, rows in zip(tables.levels, dev.level_rows):
+        else:
+            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for call, rows, part in zip(tables.levels, dev.level_rows, dev.level_slices):
             cd = call.on(q.device)
-            sub = [row_ops.gather_rows(t, rows) for t in (q, o, do, lse)]
+            if part is not None:
+                sub = [t[part] for t in (q, o, do, lse)]
+            else:
+                sub = [row_ops.gather_rows(t, rows) for t in (q, o, do, lse)]
             dq_l, dkv_l = kernel.backward(
                 sub[0], _keys_for(call, kv, kernel), sub[1], sub[2], sub[3], call, cd, *args
             )
-            sums.add_rows(dq, rows, dq_l)
+            if part is not None:
+                dq[part] += dq_l
+            else:
+                sums.add_rows(dq, rows, dq_l)
             sums.add_key_rows(dkv, cd.kv_source, dkv_l)
         dkv = dkv.to(kv.dtype)
         dslots = dkv if dev.slot_rows is None else row_ops.gather_rows(dkv, dev.slot_rows)

@@ -53,6 +53,8 @@ class DeviceTreeTables:
     Attributes:
         level_rows: per ancestor level, int64 ``[m]``: the local row of each row of the
             level's query buffer.
+        level_slices: per ancestor level, ``slice(a, b)`` when its query buffer is the local
+            rows ``a .. b - 1`` in order (read and written in place, no gather), else None.
         own_rounds: the own part's key gradients by rounds ``(dst, src)`` of int64 ``[k]``:
             row ``src[i]`` of its backward key buffer (``src`` None: row ``i``) adds into
             compact key ``dst[i]``. Within a round no key repeats (the sum adds without
@@ -63,6 +65,7 @@ class DeviceTreeTables:
     """
 
     level_rows: List[torch.Tensor]
+    level_slices: List[Optional[slice]]
     own_rounds: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
     compact_slots: Optional[torch.Tensor]
     slot_rows: Optional[torch.Tensor]
@@ -151,6 +154,7 @@ class TreeTables(ReadOnlyTables):
 
             cached = DeviceTreeTables(
                 level_rows=[put(r) for r in self.level_rows],
+                level_slices=[_as_slice(r) for r in self.level_rows],
                 own_rounds=[(put(dst), put(src)) for dst, src in rounds],
                 compact_slots=put(self.compact_slots),
                 slot_rows=put(self.slot_rows),
@@ -170,6 +174,14 @@ def _segment_keys(tree: PrefixTree, keys: CompactKeys):
     count = torch.bincount(keys.sequence, minlength=tree.num_segments)
     first = torch.cumsum(count, 0) - count
     return first, count
+
+
+def _as_slice(rows: torch.Tensor) -> Optional[slice]:
+    """``slice(a, b)`` when int64 ``rows`` are ``a, a + 1, ..., b - 1``, else None."""
+    a = int(rows[0])
+    if torch.equal(rows, torch.arange(a, a + rows.numel())):
+        return slice(a, a + rows.numel())
+    return None
 
 
 def _copy_rounds(key_of_row: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
