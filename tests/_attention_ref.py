@@ -63,12 +63,13 @@ class ReferenceKernel:
         return o, (stats if want_stats else None)
 
     @classmethod
-    def backward(cls, q, kv, o, do, stats, runs, dev, scale, deterministic):
+    def backward(cls, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None):
         d = q.shape[-1]
         heads, groups = q.shape[1], kv.shape[1]
         dq = torch.zeros_like(q)
-        # Rows no entry writes stay zero, as the cuDNN kernel's zero-initialised buffers do.
-        dkv = kv.new_zeros((2, runs.mat_rows, groups, d))  # key gradients, value gradients
+        # Rows no entry writes stay zero, as the cuDNN kernel's zero-initialised buffers do
+        # (or keep what an earlier call of a split backward wrote there).
+        dkv = kv.new_zeros((2, runs.mat_rows, groups, d)) if dkv_out is None else dkv_out
         copies = runs.materialize and not cls.shared_keys_in_backward
         for e in range(runs.entries):
             qs, ql = int(runs.q_start[e]), int(runs.q_len[e])
@@ -98,6 +99,19 @@ class SharedKeysReferenceKernel(ReferenceKernel):
     """The same, reading overlapping key ranges in the backward (no per-entry copies)."""
 
     shared_keys_in_backward = True
+
+
+class SplitReferenceKernel(ReferenceKernel):
+    """The same, with causal calls' backward split into prefix and diagonal calls
+    (``AttentionRuns.backward_split``) wherever the fused path splits it for cuDNN."""
+
+    split_backward = True
+
+
+class SplitSharedKeysReferenceKernel(SharedKeysReferenceKernel):
+    """Shared keys and the split backward."""
+
+    split_backward = True
 
 
 def oracle_attention(query, keys, values, positions, sequence, owned, scale):

@@ -98,6 +98,12 @@ BLOCK_VARIANTS = (
     ("groups-1024", {"layout": "blocks", "group_rows": 1024}, True),
     ("groups-4096", {"layout": "blocks", "group_rows": 4096}, True),
 )
+# Kernel settings, for --kernel-variants: the backward of causal calls unsplit, and every
+# causal diagonal bottom-right (the cuDNN defaults before they were measured).
+KERNEL_VARIANTS = (
+    ("no-split", {}, {"split_backward": False}),
+    ("bottom-right", {}, {"square_top_left": False}),
+)
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 
 
@@ -357,9 +363,9 @@ class Case:
         ``shared_keys_in_backward=shared``; the library's default reads shared key ranges, the
         "copies" variant turns it off)."""
         if kernel is None:
-            kernel = _attention_cudnn.CudnnKernel(
-                _attention_cudnn.CudnnOptions(shared_keys_in_backward=shared)
-            )
+            # ``shared``: the shared-keys flag, or CudnnOptions fields (the kernel variants).
+            fields = shared if isinstance(shared, dict) else {"shared_keys_in_backward": shared}
+            kernel = _attention_cudnn.CudnnKernel(_attention_cudnn.CudnnOptions(**fields))
         q = self.query.detach().requires_grad_(backward)
         kv = self.kv_slots.detach().requires_grad_(backward)
         out = fused_attention(q, kv, self.runs, DIM**-0.5, kernel=kernel)
@@ -496,11 +502,23 @@ def bench_case(
 ):  # fmt: skip
     """One row of the table; ``case`` / ``shares`` (per floor length, the share of its causal
     work) default to the plan's ``Case`` and ``causal_share``."""
+    # Each case sizes its backward graphs' workspace for itself, not for an earlier case's
+    # largest batch (a process keeps the largest it has seen; see cudnn._LARGEST_TOTALS).
+    _attention_cudnn._LARGEST_TOTALS[:] = [0, 0]
     case = Case(plan, rank, cu, device) if case is None else case
     shares = causal_share(plan, rank, cu) if shares is None else shares
     floor_f = sum(floor[n][0] * s for n, s in shares)
     floor_b = sum(floor[n][1] * s for n, s in shares)
     fns = {"ours fwd": lambda: case.ours(False), "ours fwd+bwd": lambda: case.ours(True)}
+    n = case.query.shape[0]
+    row_bytes = HEADS * DIM * 2
+    kept_f = n * row_bytes
+    kept_b = 2 * n * row_bytes + case.kv_slots.numel() * 2
+    # The case's memory first, warm: a variant's larger batch would raise the row totals that
+    # later backward graphs are sized for (cudnn._LARGEST_TOTALS), and so their workspace.
+    case.ours(True)
+    mem_f = extra_peak(lambda: case.ours(False), kept_f)
+    mem_b = extra_peak(lambda: case.ours(True), kept_b)
     if with_flex:
         try:
             flex_f, flex_b = case.flex()
@@ -511,17 +529,19 @@ def bench_case(
         # The layout the choice did not take, timed beside it.
         other = "runs" if isinstance(case.runs, AttentionBlocks) else "blocks"
         variants = tuple(variants) + ((other, {"layout": other}, True),)
+    out_of_memory = set()
     for label, build, shared in variants:
-        other = Case(plan, rank, cu, device, **build)
+        try:
+            other = Case(plan, rank, cu, device, **build)
+            other.ours(True, shared)  # a layout that cannot fit is a result, not an abort
+        except torch.OutOfMemoryError:
+            out_of_memory.add(label)
+            other = None
+            torch.cuda.empty_cache()
+            continue
         fns[f"{label} fwd"] = lambda c=other, sh=shared: c.ours(False, sh)
         fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared: c.ours(True, sh)
     t = time_round_robin(fns, device, reps, 1)
-    n = case.query.shape[0]
-    row_bytes = HEADS * DIM * 2
-    kept_f = n * row_bytes
-    kept_b = 2 * n * row_bytes + case.kv_slots.numel() * 2
-    mem_f = extra_peak(lambda: case.ours(False), kept_f)
-    mem_b = extra_peak(lambda: case.ours(True), kept_b)
     rows = slice(max(0, n - 256), n)
     with torch.no_grad():
         got = case.ours(False)[rows].float()
@@ -547,6 +567,9 @@ def bench_case(
         "tables % of fwd+bwd": 100 * case.build_ms / t["ours fwd+bwd"],
     }
     for label, *_ in variants:
+        if label in out_of_memory:
+            row[f"{label} fwd x"] = row[f"{label} fwd+bwd x"] = "OOM"
+            continue
         row[f"{label} fwd x"] = t[f"{label} fwd"] / floor_f
         row[f"{label} fwd+bwd x"] = t[f"{label} fwd+bwd"] / floor_b
     if "flex fwd" in t:
@@ -820,6 +843,9 @@ def main():
     )
     parser.add_argument("--tree-batches", default=GRPO_TREES, help="the trees, 'P+GxC,...'")
     parser.add_argument("--block-variants", action="store_true", help="other blocked settings")
+    parser.add_argument(
+        "--kernel-variants", action="store_true", help="the cuDNN kernel's split and alignment off"
+    )
     parser.add_argument("--no-graph-builds", action="store_true")
     parser.add_argument("--tables-only", action="store_true", help="only the per-batch tables")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -858,7 +884,8 @@ def main():
                 with_flex=not args.no_flex and (not long or args.flex_long),
                 with_dense=not long,
                 variants=(VARIANTS if args.variants else ())
-                + (BLOCK_VARIANTS if args.block_variants else ()),
+                + (BLOCK_VARIANTS if args.block_variants else ())
+                + (KERNEL_VARIANTS if args.kernel_variants else ()),
                 compare_layouts=args.compare_layouts,
             )
             results["rows"].append(row)
@@ -915,6 +942,8 @@ def main():
         cols += ["tables", "runs fwd x", "runs fwd+bwd x", "blocks fwd x", "blocks fwd+bwd x"]
     if args.block_variants:
         cols += [f"{v[0]} {m} x" for v in BLOCK_VARIANTS for m in ("fwd", "fwd+bwd")]
+    if args.kernel_variants:
+        cols += [f"{v[0]} fwd+bwd x" for v in KERNEL_VARIANTS]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c, "-")) for c in cols) + " |")

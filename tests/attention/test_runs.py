@@ -17,6 +17,8 @@ import torch
 from _attention_ref import (
     ReferenceKernel,
     SharedKeysReferenceKernel,
+    SplitReferenceKernel,
+    SplitSharedKeysReferenceKernel,
     oracle_attention,
 )
 from _dist import run_distributed
@@ -61,6 +63,14 @@ def _slots(full, plan):
         pos = plan.local_positions(r)
         out[r * plan.max_count : r * plan.max_count + pos.numel()] = full[pos]
     return out
+
+
+KERNELS = (
+    ReferenceKernel,
+    SharedKeysReferenceKernel,
+    SplitReferenceKernel,
+    SplitSharedKeysReferenceKernel,
+)
 
 
 def _check_rank(
@@ -148,11 +158,14 @@ def _random_plan(draw_ints, seq_len, cp, unowned, cu):
     unowned=st.sampled_from([0.0, 0.2]),
     gqa=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
     merge_gap=st.sampled_from([1, 3, 64]),
+    kernel=st.sampled_from(KERNELS),
 )
-def test_random_plans_match_the_oracle(seed, cp, seq_len, packed, unowned, gqa, merge_gap):
+def test_random_plans_match_the_oracle(seed, cp, seq_len, packed, unowned, gqa, merge_gap, kernel):
+    """Every kernel contract: key copies or shared key ranges, one backward call or the split
+    one (prefix and diagonal calls)."""
     plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
     for rank in range(cp):
-        _check_rank(plan, rank, cu, gqa[0], gqa[1], 4, seed + rank, merge_gap)
+        _check_rank(plan, rank, cu, gqa[0], gqa[1], 4, seed + rank, merge_gap, kernel=kernel)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +190,7 @@ def test_named_plans_match_the_oracle(plan_kind):
     else:
         plan = ContextParallelPlan.from_rank_positions([list(range(12)), []], 12)
     for rank in range(plan.cp_size):
-        for kernel in (ReferenceKernel, SharedKeysReferenceKernel):
+        for kernel in KERNELS:
             _check_rank(plan, rank, cu, 4, 2, 8, rank, kernel=kernel)
 
 
@@ -494,3 +507,29 @@ def test_the_causal_diagonal_of_a_call():
     assert diagonal(square, top_left) == "top_left"
     assert diagonal(tall, top_left) == "bottom_right"
     assert diagonal(call([5, 3], [5, 3], causal=False), top_left) is None
+
+
+def test_the_backward_split_partitions_each_entrys_keys():
+    """Prefix (unmasked) and diagonal (square, causal) calls: the same query rows, each entry's
+    keys and key-gradient rows cut at ``kv_len - q_len``; split only past the margin."""
+    plan = ContextParallelPlan.zigzag(64, 2)
+    runs = _runs(plan, 0, None, merge_gap=1)  # two entries (unmerged)
+    prefix, diagonal = runs.backward_split()
+    assert not prefix.causal and diagonal.causal
+    assert torch.equal(diagonal.q_len, diagonal.kv_len)
+    assert prefix.query_rows == diagonal.query_rows == runs.query_rows
+    # Each key-gradient row of the whole call, written by exactly one of the two.
+    written = torch.zeros(runs.mat_rows, dtype=torch.int64)
+    for part in (prefix, diagonal):
+        for m, k in zip(part.mat_start.tolist(), part.kv_len.tolist()):
+            written[m : m + k] += 1
+    whole = torch.zeros(runs.mat_rows, dtype=torch.int64)
+    for m, k in zip(runs.mat_start.tolist(), runs.kv_len.tolist()):
+        whole[m : m + k] += 1
+    assert torch.equal(written, whole)
+    # Zigzag rank 0: a first quarter (square) and a last quarter over the whole sequence:
+    # rectangles 16 * 16 + 16 * 64 against 136 + 16 * 48 + 136 visible pairs, 1.23x.
+    assert runs.backward_split(margin=1.2) is not None
+    assert runs.backward_split(margin=1.25) is None
+    square = _runs(ContextParallelPlan.contiguous(32, 1), 0, None)
+    assert square.backward_split() is None

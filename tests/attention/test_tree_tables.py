@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_ref import ReferenceKernel, SharedKeysReferenceKernel
+from _attention_ref import (
+    ReferenceKernel,
+    SharedKeysReferenceKernel,
+    SplitReferenceKernel,
+    SplitSharedKeysReferenceKernel,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -111,7 +116,13 @@ def test_random_trees_and_plans(seed):
     tree = _random_tree(g, segments=int(torch.randint(1, 12, (1,), generator=g)), max_len=9)
     cp = int(torch.randint(1, 5, (1,), generator=g))
     plan = _random_plan(g, tree.seq_len, cp, unowned=seed % 3 == 0, empty=cp > 1 and seed % 2 == 0)
-    kernel = SharedKeysReferenceKernel if seed % 4 == 1 else ReferenceKernel
+    kernels = (
+        ReferenceKernel,
+        SharedKeysReferenceKernel,
+        SplitReferenceKernel,
+        SplitSharedKeysReferenceKernel,
+    )
+    kernel = kernels[seed % 4]
     for rank in range(cp):
         _check(tree, plan, rank, seed=seed, kernel=kernel, heads=4, groups=1 + seed % 2 * 3)
 

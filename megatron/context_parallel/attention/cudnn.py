@@ -82,6 +82,10 @@ class CudnnOptions:
             per-pair time against 1.95-2.07x), the GRPO trees' attention 1.16x / 1.42x the
             floor fwd+bwd against 1.57x / 1.61x (``probes/probe_tree_calls.py``,
             ``bench_tree.py``). The forward is the same either way.
+        split_backward: with ``square_top_left``, a causal call of non-square entries runs its
+            backward as an unmasked call of their key prefixes and a top-left call of their
+            square diagonals (``AttentionRuns.backward_split``, where its rectangles exceed
+            its visible pairs by ``runs.SPLIT_MARGIN``), so no masked tile is computed.
     """
 
     shared_keys_in_backward: bool = True
@@ -89,6 +93,7 @@ class CudnnOptions:
     exact_key_workspace: bool = True
     graph_options: Tuple[Tuple[str, object], ...] = ()
     square_top_left: bool = True
+    split_backward: bool = True
 
 
 def diagonal(runs, options: CudnnOptions) -> Optional[str]:
@@ -362,6 +367,11 @@ class CudnnKernel:
         """Whether the backward reads the compact keys in place (``CudnnOptions``)."""
         return self.options.shared_keys_in_backward
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether ``fused`` splits a causal call's backward (``CudnnOptions.split_backward``)."""
+        return self.options.split_backward and self.options.square_top_left
+
     def __repr__(self) -> str:
         return f"CudnnKernel({self.options})"
 
@@ -424,10 +434,12 @@ class CudnnKernel:
         dev,
         scale: float,
         deterministic: bool,
+        dkv_out: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Gradients of every entry: ``dq`` ``[Tq, H, d]`` and ``dkv`` ``[2, M, G, d]`` (dK, dV;
         M = ``runs.mat_rows``). ``kv`` is the backward key buffer (entries do not overlap in it)
-        or, with ``shared_keys_in_backward``, the compact keys themselves. Inputs contiguous."""
+        or, with ``shared_keys_in_backward``, the compact keys themselves. Inputs contiguous.
+        ``dkv_out``: a ``dkv`` this kernel returned before, written into (``kernel.py``)."""
         tq, heads, dim = q.shape
         groups = kv.shape[1]
         if not runs.entries:
@@ -450,7 +462,10 @@ class CudnnKernel:
             (tq, heads, dim), dtype=q.dtype, device=q.device
         )
         separate = options.separate_key_gradients
-        dk, dv, dkv = _key_gradient_buffers(kv, runs, separate)
+        if dkv_out is None:
+            dk, dv, dkv = _key_gradient_buffers(kv, runs, separate)
+        else:  # either layout: dK and dV are the returned tensor's two halves
+            dk, dv, dkv = dkv_out[0], dkv_out[1], None
         kv_tok = groups * 2 * dim
         q_off = dev.offsets("q_rows", heads * dim)
         out_off = dev.offsets("mat_rows", groups * dim if separate else kv_tok)
@@ -464,6 +479,8 @@ class CudnnKernel:
         padded = _padded_stats(stats, dev, runs, heads)
         buffers = [q, kv, kv[..., dim:], o, do, padded, dq, dk, dv]
         g.execute(buffers + tables, _workspace(ws, q.device), handle=handle, tensor_uids=uids)
+        if dkv_out is not None:
+            return dq, dkv_out
         if separate:
             return dq, dkv
         return dq, dkv.view(runs.mat_rows, groups, 2, dim).permute(2, 0, 1, 3)

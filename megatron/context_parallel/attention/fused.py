@@ -105,6 +105,20 @@ def _keys_for(runs: AttentionRuns, kv: torch.Tensor, kernel: AttentionKernel) ->
     return row_ops.gather_rows(kv, runs.on(kv.device).kv_source)
 
 
+def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *args):
+    """``kernel.backward`` of one call, as its prefix and diagonal calls where the kernel asks
+    for it (``split_backward``) and ``runs.backward_split`` finds it worth a second call."""
+    split = runs.backward_split() if getattr(kernel, "split_backward", False) else None
+    if split is None:
+        return kernel.backward(q, keys, o, do, stats, runs, dev, *args)
+    prefix, diagonal = split
+    dq, dkeys = kernel.backward(q, keys, o, do, stats, prefix, prefix.on(q.device), *args)
+    dq_diagonal, dkeys = kernel.backward(
+        q, keys, o, do, stats, diagonal, diagonal.on(q.device), *args, dkv_out=dkeys
+    )
+    return dq.add_(dq_diagonal), dkeys
+
+
 def _slot_gradients(dkeys: torch.Tensor, runs: AttentionRuns, dev) -> torch.Tensor:
     """The all-gather slots' gradient ``[slots, G, 2d]`` from the kernel's split key gradients
     ``[2, M, G, d]``: each slot's key copies summed (in fp32, rounded once)."""
@@ -142,8 +156,8 @@ class _FusedAttention(torch.autograd.Function):
             do = grad_out.contiguous()
         else:
             do = row_ops.gather_rows(grad_out.contiguous(), dev.span_source)
-        dq, dkeys = ctx.kernel.backward(
-            q, _keys_for(runs, kv, ctx.kernel), o, do, stats, runs, dev, ctx.scale,
+        dq, dkeys = _call_backward(
+            ctx.kernel, q, _keys_for(runs, kv, ctx.kernel), o, do, stats, runs, dev, ctx.scale,
             ctx.deterministic,
         )  # fmt: skip
         dquery = dq if runs.identity else row_ops.gather_rows(dq, dev.local_to_span)
@@ -280,9 +294,9 @@ class _TreeAttention(torch.autograd.Function):
             pieces = (q, o, do, lse)
             if not own.identity:
                 pieces = [row_ops.gather_rows(t, od.span_source) for t in pieces]
-            dq_own, dkv_own = kernel.backward(
-                pieces[0], _keys_for(own, kv, kernel), pieces[1], pieces[2], pieces[3], own, od,
-                *args,
+            dq_own, dkv_own = _call_backward(
+                kernel, pieces[0], _keys_for(own, kv, kernel), pieces[1], pieces[2], pieces[3],
+                own, od, *args,
             )  # fmt: skip
             if not own.identity:
                 dq_own = row_ops.gather_rows(dq_own, od.local_to_span)

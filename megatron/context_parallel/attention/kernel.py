@@ -50,6 +50,9 @@ class AttentionKernel(Protocol):
         dev,
         scale: float,
         deterministic: bool,
+        dkv_out: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(dq, dkv)`` of every entry."""
+        """``(dq, dkv)`` of every entry. With ``dkv_out`` (a ``dkv`` an earlier call returned,
+        ``[2, M, G, d]``), the key gradients are written into it, rows no entry writes keep
+        their values, and it is returned (``AttentionRuns.backward_split``'s second call)."""
         ...

@@ -63,6 +63,10 @@ __all__ = [
 # Runs of one sequence closer than this are merged (their gap runs as dummy queries): merging
 # costs at most this many dummy rows and saves a partly filled query tile (64-128 rows).
 DEFAULT_MERGE_GAP = 64
+# A causal call's backward runs as prefix and diagonal calls (``AttentionRuns.backward_split``)
+# when its entries' rectangles exceed their visible pairs by this much: the second call's fixed
+# cost (its own row passes) against the masked tiles a bottom-right backward does not skip.
+SPLIT_MARGIN = 1.10
 
 # The call tables the kernel reads as int32 (to_device converts them).
 INT32_TABLES = ("seq_len_q", "seq_len_kv")
@@ -367,6 +371,7 @@ class ReadOnlyTables:
         for name, value in values.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_device", {})
+        object.__setattr__(self, "_derived", {})  # values computed from the tables on first use
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is read-only (cannot set {name!r})")
@@ -570,6 +575,57 @@ class AttentionRuns(ReadOnlyTables):
             return cached
         with serial_host_ops():
             return self._adopt(device, to_device([self._host_tables()], device, INT32_TABLES)[0])
+
+    def backward_split(
+        self, margin: float = SPLIT_MARGIN
+    ) -> Optional[Tuple["AttentionRuns", "AttentionRuns"]]:
+        """This causal call's backward as two calls over the same buffers, or None.
+
+        Each entry (``q_len`` rows over ``kv_len`` keys, bottom-right) is its *prefix*, the
+        first ``kv_len - q_len`` keys, which every row sees (an unmasked call; entries without
+        one are left out), and its *diagonal*, the last ``q_len`` keys, a square causal block
+        (a causal call of square entries, which a kernel may align top-left). The two calls'
+        key rows (``k_start`` and ``mat_start``) are the entry's, split at the same point, so
+        between them they write each key-gradient row the whole call writes, once; their query
+        gradients add. Differentiated against the whole call's output and log-sum-exp, the
+        sum is the call's backward exactly.
+
+        Split only where the entries' full rectangles (``q_len * kv_len``, what a ragged
+        backward that skips no masked tile computes) exceed ``margin`` times their visible
+        pairs; None for unmasked calls, calls of square entries, or none at all.
+        """
+        key = ("backward_split", float(margin))
+        if key in self._derived:
+            return self._derived[key]
+        out = None
+        if self.causal and self.entries and not torch.equal(self.q_len, self.kv_len):
+            q_len, kv_len = self.q_len, self.kv_len
+            prefix_len = kv_len - q_len
+            rectangle = float((q_len * kv_len).sum())
+            visible = float((q_len * prefix_len + q_len * (q_len + 1) // 2).sum())
+            if rectangle > margin * visible:
+                out = (self._part(prefix_len > 0, 0, prefix_len, False), self._part(
+                    torch.ones_like(q_len, dtype=torch.bool), prefix_len, q_len, True
+                ))  # fmt: skip
+        self._derived[key] = out
+        return out
+
+    def _part(self, keep, key_shift, kv_len, causal: bool) -> "AttentionRuns":
+        """The call of the entries ``keep`` with their keys from ``k_start + key_shift`` (and
+        key-gradient rows from ``mat_start + key_shift``), ``kv_len`` of them."""
+        shift = key_shift if isinstance(key_shift, int) else key_shift[keep]
+        tables = (
+            self.q_start[keep], self.q_len[keep], self.k_start[keep] + shift, kv_len[keep],
+            self.mat_start[keep] + shift, self.span_source, self.local_to_span, self.kv_source,
+        )  # fmt: skip
+        return self._from_tables(
+            tables, self.identity, self.query_rows, self.materialize, self.mat_rows,
+            slot_copies=self.slot_copies, keys_covered=self.keys_covered, work=None,
+            shape_buckets=None, plan=self.plan, rank=self.rank, rows=self.rows,
+            num_keys=self.num_keys, compact_slots=self.compact_slots, slots=self.slots,
+            # Rows of entries left out of the call must read a zero query gradient.
+            rows_covered=self.rows_covered and bool(keep.all()), causal=causal,
+        )  # fmt: skip
 
     def _host_tables(self) -> Dict[str, Optional[torch.Tensor]]:
         """The int64 host tables ``on`` copies (None: absent)."""
