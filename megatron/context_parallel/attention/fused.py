@@ -262,12 +262,15 @@ class _TreeAttention(torch.autograd.Function):
         q = query.contiguous()
         kv = _compact_kv(kv_slots, dev.compact_slots)
         o, lse = _own_forward(q, kv, tables.own, kernel, scale)
-        o, lse = o.contiguous(), lse.contiguous()  # merged into in place, by row ranges
         for call, rows, part in zip(tables.levels, dev.level_rows, dev.level_slices):
             cd = call.on(q.device)
-            if part is not None:  # the level's rows are one range of local rows: in place
+            if part is not None:  # the level's rows are one range of local rows: no gathers
                 o_l, lse_l = kernel.forward(q[part], kv, call, cd, scale, True)
-                sums.merge(o_l, lse_l, o[part], lse[part], out=(o[part], lse[part]))
+                # Into new buffers, then copied: the merge kernel may not write its inputs
+                # (merged in place on an H100, the outputs came out wrong).
+                o_m, lse_m = sums.merge(o_l, lse_l, o[part], lse[part])
+                o[part] = o_m
+                lse[part] = lse_m
                 continue
             o_l, lse_l = kernel.forward(row_ops.gather_rows(q, rows), kv, call, cd, scale, True)
             o_m, lse_m = sums.merge(o_l, lse_l, o.index_select(0, rows), lse.index_select(0, rows))

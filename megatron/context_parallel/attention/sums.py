@@ -4,10 +4,9 @@ Both are memory-bound, so each is one pass over its rows (a Triton kernel on CUD
 torch's chain of casts, products and temporaries; the CPU (and any call Triton cannot take)
 runs the same arithmetic in torch.
 
-* ``merge(o_b, lse_b, o_d, lse_d, out=None)``: softmax attention over the union of two
-  disjoint key sets from each set's output ``[n, H, d]`` and log-sum-exp ``[n, H]`` (``lse_b``
-  may be -inf: no keys there). Weights in fp32; the output in ``o_d``'s dtype, written into
-  ``out`` when given (``o_d`` / ``lse_d`` themselves may be it).
+* ``merge(o_b, lse_b, o_d, lse_d)``: softmax attention over the union of two disjoint key
+  sets from each set's output ``[n, H, d]`` and log-sum-exp ``[n, H]`` (``lse_b`` may be -inf:
+  no keys there). Weights in fp32; the output in ``o_d``'s dtype.
 * ``add_rows(acc, dst, src, src_rows)``: ``acc[dst[i]] += src[src_rows[i]]`` (or ``src[i]``),
   ``acc`` fp32 (float64 for float64 inputs), ``src`` any float dtype; ``dst`` must not repeat.
 
@@ -187,22 +186,14 @@ def add_key_rows(
 
 
 def merge(
-    o_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    o_d: torch.Tensor,
-    lse_d: torch.Tensor,
-    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    o_b: torch.Tensor, lse_b: torch.Tensor, o_d: torch.Tensor, lse_d: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(o [n, H, d], lse [n, H])`` of the union of the two key sets; see the module doc.
-
-    ``out``: contiguous ``(o, lse)`` buffers to write (they may be ``o_d`` and ``lse_d``
-    themselves: each element is read before it is written); new tensors when None.
-    """
+    """``(o [n, H, d], lse [n, H])`` of the union of the two key sets, new tensors (see the
+    module doc). The inputs may be views (row ranges of larger buffers)."""
     n, heads, d = o_d.shape
-    if out is not None and not all(t.is_contiguous() for t in out):
-        raise ValueError("merge writes contiguous output buffers only")
     if _use_triton(o_b, o_d) and d & (d - 1) == 0 and lse_b.dtype == torch.float32:
-        o, lse = out if out is not None else (torch.empty_like(o_d), torch.empty_like(lse_d))
+        o = torch.empty_like(o_d, memory_format=torch.contiguous_format)
+        lse = torch.empty_like(lse_d, memory_format=torch.contiguous_format)
         vectors = n * heads
         block = max(1, 4096 // d)
         _merge_kernel[(triton.cdiv(vectors, block),)](
@@ -219,11 +210,7 @@ def merge(
         w_b = (lse_b[a:b] - lse[a:b]).exp().unsqueeze(-1)
         w_d = (lse_d[a:b] - lse[a:b]).exp().unsqueeze(-1)
         o[a:b] = torch.addcmul(o_d[a:b].to(acc) * w_d, o_b[a:b].to(acc), w_b)
-    if out is None:
-        return o, lse
-    out[0].copy_(o)
-    out[1].copy_(lse)
-    return out
+    return o, lse
 
 
 def add_rows(
