@@ -250,8 +250,8 @@ def test_single_row_runs_and_random_plans():
 
 
 def test_new_lengths_reuse_built_graphs():
-    """Graphs are keyed by bucketed sizes: a batch of new lengths in a known bucket builds
-    nothing, and the same batches again build nothing at all."""
+    """Graphs are keyed by bucketed sizes (and mask): a batch of new lengths in a known bucket
+    builds nothing, and the same batches again build nothing at all."""
     g = torch.Generator().manual_seed(3)
     plans = []
     for _ in range(6):
@@ -268,7 +268,12 @@ def test_new_lengths_reuse_built_graphs():
     for plan in plans:
         runs = _check(plan, 0, None, 8, 2, 64, torch.bfloat16, 0)
         forward.add((runs.batch, runs.max_q, runs.max_kv))
-        backward.add((runs.batch, runs.max_q, runs.max_kv, runs.total_q, runs.total_mat))
+        # The backward runs the call, or its prefix and diagonal calls (the default kernel
+        # splits it where the rectangles exceed the visible pairs): one graph per mask and size.
+        split = runs.backward_split() if cudnn_kernel.KERNEL.split_backward else None
+        for c in split or (runs,):
+            mask = cudnn_kernel.diagonal(c, cudnn_kernel.KERNEL.options)
+            backward.add((mask, c.batch, c.max_q, c.max_kv, c.total_q, c.total_mat))
     assert cudnn_kernel.graph_builds() - before <= len(forward) + len(backward)
     again = cudnn_kernel.graph_builds()
     for plan in plans:
