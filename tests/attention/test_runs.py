@@ -533,3 +533,18 @@ def test_the_backward_split_partitions_each_entrys_keys():
     assert runs.backward_split(margin=1.25) is None
     square = _runs(ContextParallelPlan.contiguous(32, 1), 0, None)
     assert square.backward_split() is None
+
+
+def test_the_split_calls_travel_with_the_call():
+    """``on`` copies the split backward's per-entry tables in the call's one copy; they carry
+    no row maps of their own (the backward reads the whole call's)."""
+    runs = _runs(ContextParallelPlan.zigzag(64, 2), 0, None, merge_gap=1)
+    prefix, diagonal = runs.backward_split()
+    assert not prefix._device and not diagonal._device
+    dev = runs.on(torch.device("cpu"))
+    for part in (prefix, diagonal):
+        pdev = part._device[torch.device("cpu")]
+        assert pdev.span_source is None and pdev.kv_source is None
+        assert torch.equal(pdev.seq_len_q.flatten()[: part.entries], part.q_len.to(torch.int32))
+        assert torch.equal(pdev.kv_rows.flatten()[: part.entries], part.k_start)
+    assert torch.equal(dev.seq_len_kv.flatten()[: runs.entries], runs.kv_len.to(torch.int32))

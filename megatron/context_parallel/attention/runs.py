@@ -574,7 +574,14 @@ class AttentionRuns(ReadOnlyTables):
         if cached is not None:
             return cached
         with serial_host_ops():
-            return self._adopt(device, to_device([self._host_tables()], device, INT32_TABLES)[0])
+            # The split backward's two calls (if any) travel in the same copy: the backward
+            # then finds their tables on the device, with no host work of its own.
+            split = list(self.backward_split() or ())
+            tables = [self._host_tables()] + [c._host_tables(call_only=True) for c in split]
+            moved = to_device(tables, device, INT32_TABLES)
+            for call, parts in zip(split, moved[1:]):
+                call._adopt(device, parts)
+            return self._adopt(device, moved[0])
 
     def backward_split(
         self, margin: float = SPLIT_MARGIN
@@ -627,8 +634,9 @@ class AttentionRuns(ReadOnlyTables):
             rows_covered=self.rows_covered and bool(keep.all()), causal=causal,
         )  # fmt: skip
 
-    def _host_tables(self) -> Dict[str, Optional[torch.Tensor]]:
-        """The int64 host tables ``on`` copies (None: absent)."""
+    def _host_tables(self, call_only: bool = False) -> Dict[str, Optional[torch.Tensor]]:
+        """The int64 host tables ``on`` copies (None: absent); ``call_only``: the kernel's
+        per-entry tables alone (a split backward's calls read the row maps of the whole call)."""
         ops = host_ops()
         if ops is not None:
             parts = ops.call_tables(
@@ -639,6 +647,9 @@ class AttentionRuns(ReadOnlyTables):
             host = dict(zip(names, parts))
         else:
             host = self._reference_call_tables()
+        if call_only:
+            return dict(host, span_source=None, local_to_span=None, kv_source=None,
+                        compact_slots=None, slot_copies=None)  # fmt: skip
         host.update(
             span_source=self.span_source,
             local_to_span=self.local_to_span,
