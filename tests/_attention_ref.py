@@ -43,6 +43,8 @@ class ReferenceKernel:
 
     # Read each entry's keys where the forward did (tests switch it on to check that path).
     shared_keys_in_backward = False
+    # Run a causal call's backward as its prefix and diagonal calls (the split kernels below).
+    split_backward = False
 
     @staticmethod
     def forward(q, kv, runs, dev, scale, want_stats):
@@ -112,6 +114,16 @@ class SplitSharedKeysReferenceKernel(SharedKeysReferenceKernel):
     """Shared keys and the split backward."""
 
     split_backward = True
+
+
+# Every kernel contract the fused path supports: key copies or shared key ranges, one backward
+# call or the split one.
+REFERENCE_KERNELS = (
+    ReferenceKernel,
+    SharedKeysReferenceKernel,
+    SplitReferenceKernel,
+    SplitSharedKeysReferenceKernel,
+)
 
 
 def oracle_attention(query, keys, values, positions, sequence, owned, scale):

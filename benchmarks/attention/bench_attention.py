@@ -99,7 +99,7 @@ BLOCK_VARIANTS = (
     ("groups-4096", {"layout": "blocks", "group_rows": 4096}, True),
 )
 # Kernel settings, for --kernel-variants: the backward of causal calls unsplit, and every
-# causal diagonal bottom-right (the cuDNN defaults before they were measured).
+# causal diagonal bottom-right (what the split backward and the top-left alignment replace).
 KERNEL_VARIANTS = (
     ("no-split", {}, {"split_backward": False}),
     ("bottom-right", {}, {"square_top_left": False}),

@@ -15,10 +15,9 @@ import dataclasses
 import pytest
 import torch
 from _attention_ref import (
+    REFERENCE_KERNELS,
     ReferenceKernel,
     SharedKeysReferenceKernel,
-    SplitReferenceKernel,
-    SplitSharedKeysReferenceKernel,
     oracle_attention,
 )
 from _dist import run_distributed
@@ -63,14 +62,6 @@ def _slots(full, plan):
         pos = plan.local_positions(r)
         out[r * plan.max_count : r * plan.max_count + pos.numel()] = full[pos]
     return out
-
-
-KERNELS = (
-    ReferenceKernel,
-    SharedKeysReferenceKernel,
-    SplitReferenceKernel,
-    SplitSharedKeysReferenceKernel,
-)
 
 
 def _check_rank(
@@ -158,7 +149,7 @@ def _random_plan(draw_ints, seq_len, cp, unowned, cu):
     unowned=st.sampled_from([0.0, 0.2]),
     gqa=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
     merge_gap=st.sampled_from([1, 3, 64]),
-    kernel=st.sampled_from(KERNELS),
+    kernel=st.sampled_from(REFERENCE_KERNELS),
 )
 def test_random_plans_match_the_oracle(seed, cp, seq_len, packed, unowned, gqa, merge_gap, kernel):
     """Every kernel contract: key copies or shared key ranges, one backward call or the split
@@ -190,7 +181,7 @@ def test_named_plans_match_the_oracle(plan_kind):
     else:
         plan = ContextParallelPlan.from_rank_positions([list(range(12)), []], 12)
     for rank in range(plan.cp_size):
-        for kernel in KERNELS:
+        for kernel in REFERENCE_KERNELS:
             _check_rank(plan, rank, cu, 4, 2, 8, rank, kernel=kernel)
 
 

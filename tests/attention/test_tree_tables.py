@@ -12,12 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_ref import (
-    ReferenceKernel,
-    SharedKeysReferenceKernel,
-    SplitReferenceKernel,
-    SplitSharedKeysReferenceKernel,
-)
+from _attention_ref import REFERENCE_KERNELS, ReferenceKernel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -116,13 +111,7 @@ def test_random_trees_and_plans(seed):
     tree = _random_tree(g, segments=int(torch.randint(1, 12, (1,), generator=g)), max_len=9)
     cp = int(torch.randint(1, 5, (1,), generator=g))
     plan = _random_plan(g, tree.seq_len, cp, unowned=seed % 3 == 0, empty=cp > 1 and seed % 2 == 0)
-    kernels = (
-        ReferenceKernel,
-        SharedKeysReferenceKernel,
-        SplitReferenceKernel,
-        SplitSharedKeysReferenceKernel,
-    )
-    kernel = kernels[seed % 4]
+    kernel = REFERENCE_KERNELS[seed % len(REFERENCE_KERNELS)]
     for rank in range(cp):
         _check(tree, plan, rank, seed=seed, kernel=kernel, heads=4, groups=1 + seed % 2 * 3)
 

@@ -108,7 +108,7 @@ def _keys_for(runs: AttentionRuns, kv: torch.Tensor, kernel: AttentionKernel) ->
 def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *args):
     """``kernel.backward`` of one call, as its prefix and diagonal calls where the kernel asks
     for it (``split_backward``) and ``runs.backward_split`` finds it worth a second call."""
-    split = runs.backward_split() if getattr(kernel, "split_backward", False) else None
+    split = runs.backward_split() if kernel.split_backward else None
     if split is None:
         return kernel.backward(q, keys, o, do, stats, runs, dev, *args)
     prefix, diagonal = split

@@ -29,9 +29,13 @@ class AttentionKernel(Protocol):
         shared_keys_in_backward: the backward reads each entry's keys where the forward did
             (overlapping ranges of the compact keys); False: it is given per-entry copies at
             ``runs.mat_start`` when entries overlap (``runs.materialize``).
+        split_backward: a causal call's backward may run as its prefix and diagonal calls
+            (``AttentionRuns.backward_split``), the second given ``dkv_out``; for a kernel whose
+            backward skips masked tiles only on square entries.
     """
 
     shared_keys_in_backward: bool
+    split_backward: bool
 
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor, runs, dev, scale: float, want_stats: bool

@@ -611,16 +611,17 @@ class AttentionRuns(ReadOnlyTables):
             rectangle = float((q_len * kv_len).sum())
             visible = float((q_len * prefix_len + q_len * (q_len + 1) // 2).sum())
             if rectangle > margin * visible:
-                out = (self._part(prefix_len > 0, 0, prefix_len, False), self._part(
-                    torch.ones_like(q_len, dtype=torch.bool), prefix_len, q_len, True
-                ))  # fmt: skip
+                out = (
+                    self._part(prefix_len > 0, torch.zeros_like(prefix_len), prefix_len, False),
+                    self._part(torch.ones_like(q_len, dtype=torch.bool), prefix_len, q_len, True),
+                )
         self._derived[key] = out
         return out
 
     def _part(self, keep, key_shift, kv_len, causal: bool) -> "AttentionRuns":
         """The call of the entries ``keep`` with their keys from ``k_start + key_shift`` (and
         key-gradient rows from ``mat_start + key_shift``), ``kv_len`` of them."""
-        shift = key_shift if isinstance(key_shift, int) else key_shift[keep]
+        shift = key_shift[keep]
         tables = (
             self.q_start[keep], self.q_len[keep], self.k_start[keep] + shift, kv_len[keep],
             self.mat_start[keep] + shift, self.span_source, self.local_to_span, self.kv_source,
