@@ -45,6 +45,18 @@ class ReferenceKernel:
     shared_keys_in_backward = False
     # Run a causal call's backward as its prefix and diagonal calls (the split kernels below).
     split_backward = False
+    # Query plus key-gradient rows one backward call may span before the fused path cuts it
+    # into windows (the windowed kernels below); None: never.
+    window_rows = None
+
+    @classmethod
+    def backward_window_rows(cls, heads, dim):
+        return cls.window_rows
+
+    @staticmethod
+    def key_gradients(kv, runs):
+        d = kv.shape[-1] // 2
+        return kv.new_zeros((2, runs.mat_rows, kv.shape[1], d))
 
     @staticmethod
     def forward(q, kv, runs, dev, scale, want_stats):
@@ -116,13 +128,30 @@ class SplitSharedKeysReferenceKernel(SharedKeysReferenceKernel):
     split_backward = True
 
 
+class WindowedReferenceKernel(ReferenceKernel):
+    """Key copies, every backward call cut into windows of at most 24 query plus key-gradient
+    rows (``AttentionRuns.backward_windows``): the tests' plans are small, so windows of the
+    size cuDNN's budget gives (tens of thousands of rows) never happen in them."""
+
+    window_rows = 24
+
+
+class WindowedSplitSharedKeysReferenceKernel(SplitSharedKeysReferenceKernel):
+    """Shared keys and the split backward, each of its calls cut into windows of at most 24
+    rows."""
+
+    window_rows = 24
+
+
 # Every kernel contract the fused path supports: key copies or shared key ranges, one backward
-# call or the split one.
+# call, the split one, or either cut into windows.
 REFERENCE_KERNELS = (
     ReferenceKernel,
     SharedKeysReferenceKernel,
     SplitReferenceKernel,
     SplitSharedKeysReferenceKernel,
+    WindowedReferenceKernel,
+    WindowedSplitSharedKeysReferenceKernel,
 )
 
 

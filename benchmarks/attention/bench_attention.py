@@ -98,11 +98,15 @@ BLOCK_VARIANTS = (
     ("groups-1024", {"layout": "blocks", "group_rows": 1024}, True),
     ("groups-4096", {"layout": "blocks", "group_rows": 4096}, True),
 )
-# Kernel settings, for --kernel-variants: the backward of causal calls unsplit, and every
-# causal diagonal bottom-right (what the split backward and the top-left alignment replace).
+# Kernel settings, for --kernel-variants (each timed and its extra memory measured): the
+# backward of causal calls unsplit and every causal diagonal bottom-right (what the split
+# backward and the top-left alignment replace), and the backward's calls not cut into windows
+# or cut at twice the default workspace.
 KERNEL_VARIANTS = (
     ("no-split", {}, {"split_backward": False}),
     ("bottom-right", {}, {"square_top_left": False}),
+    ("no-windows", {}, {"backward_workspace": None}),
+    ("workspace-1GiB", {}, {"backward_workspace": 1 << 30}),
 )
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 
@@ -504,7 +508,7 @@ def bench_case(
     work) default to the plan's ``Case`` and ``causal_share``."""
     # Each case sizes its backward graphs' workspace for itself, not for an earlier case's
     # largest batch (a process keeps the largest it has seen; see cudnn._LARGEST_TOTALS).
-    _attention_cudnn._LARGEST_TOTALS[:] = [0, 0]
+    _attention_cudnn.reset_graphs()
     case = Case(plan, rank, cu, device) if case is None else case
     shares = causal_share(plan, rank, cu) if shares is None else shares
     floor_f = sum(floor[n][0] * s for n, s in shares)
@@ -529,7 +533,7 @@ def bench_case(
         # The layout the choice did not take, timed beside it.
         other = "runs" if isinstance(case.runs, AttentionBlocks) else "blocks"
         variants = tuple(variants) + ((other, {"layout": other}, True),)
-    out_of_memory = set()
+    out_of_memory, variant_memory = set(), {}
     for label, build, shared in variants:
         try:
             other = Case(plan, rank, cu, device, **build)
@@ -541,6 +545,12 @@ def bench_case(
             continue
         fns[f"{label} fwd"] = lambda c=other, sh=shared: c.ours(False, sh)
         fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared: c.ours(True, sh)
+        if isinstance(shared, dict):
+            # A kernel variant's memory on graphs of its own (the workspace follows the row
+            # totals its graphs were built for; see cudnn._LARGEST_TOTALS).
+            _attention_cudnn.reset_graphs()
+            other.ours(True, shared)
+            variant_memory[label] = extra_peak(lambda c=other, sh=shared: c.ours(True, sh), kept_b)
     t = time_round_robin(fns, device, reps, 1)
     rows = slice(max(0, n - 256), n)
     with torch.no_grad():
@@ -572,6 +582,8 @@ def bench_case(
             continue
         row[f"{label} fwd x"] = t[f"{label} fwd"] / floor_f
         row[f"{label} fwd+bwd x"] = t[f"{label} fwd+bwd"] / floor_b
+        if label in variant_memory:
+            row[f"{label} extra GiB"] = variant_memory[label]
     if "flex fwd" in t:
         row["flex fwd x"] = t["flex fwd"] / floor_f
         row["flex fwd+bwd x"] = t["flex fwd+bwd"] / floor_b
@@ -844,7 +856,9 @@ def main():
     parser.add_argument("--tree-batches", default=GRPO_TREES, help="the trees, 'P+GxC,...'")
     parser.add_argument("--block-variants", action="store_true", help="other blocked settings")
     parser.add_argument(
-        "--kernel-variants", action="store_true", help="the cuDNN kernel's split and alignment off"
+        "--kernel-variants",
+        action="store_true",
+        help="the cuDNN kernel's split, alignment and backward windows changed",
     )
     parser.add_argument("--no-graph-builds", action="store_true")
     parser.add_argument("--tables-only", action="store_true", help="only the per-batch tables")
@@ -943,7 +957,7 @@ def main():
     if args.block_variants:
         cols += [f"{v[0]} {m} x" for v in BLOCK_VARIANTS for m in ("fwd", "fwd+bwd")]
     if args.kernel_variants:
-        cols += [f"{v[0]} fwd+bwd x" for v in KERNEL_VARIANTS]
+        cols += [f"{v[0]} {m}" for v in KERNEL_VARIANTS for m in ("fwd+bwd x", "extra GiB")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c, "-")) for c in cols) + " |")

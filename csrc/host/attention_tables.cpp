@@ -83,6 +83,24 @@ Vec sequence_ends(const int64_t* key_seq, int64_t n) {
   return end;
 }
 
+// Packs each entry's key-gradient rows in the order of its query rows (not the kernel's entry
+// order), so that entries with neighbouring query rows have neighbouring key-gradient rows and
+// a backward cut into windows of both (AttentionRuns.backward_windows) gets narrow windows.
+// Writes mat_start and returns the row total.
+int64_t lay_out_by_rows(const Vec& q_start, const Vec& kv_len, Vec& mat_start) {
+  const int64_t entries = static_cast<int64_t>(q_start.size());
+  Vec order(entries);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return q_start[a] < q_start[b]; });
+  int64_t rows = 0;
+  for (int64_t e : order) {
+    mat_start[e] = rows;
+    rows += kv_len[e];
+  }
+  return rows;
+}
+
 // The entries of one rank's rows (AttentionRuns.build). Returns the tensors
 //   q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source,
 //   slot_copies ([copies * slots], row-major)
@@ -210,11 +228,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   int64_t* kv_src = nullptr;
   int64_t mat_rows = num_keys;
   if (materialize) {
-    mat_rows = 0;
-    for (int64_t e = 0; e < entries; ++e) {
-      mat_start[e] = mat_rows;
-      mat_rows += kv_len[e];
-    }
+    mat_rows = lay_out_by_rows(q_start, kv_len, mat_start);
     std::tie(kv_source, kv_src) = alloc(mat_rows);
     for (int64_t e = 0; e < entries; ++e) {
       for (int64_t j = 0; j < kv_len[e]; ++j) kv_src[mat_start[e] + j] = k_start[e] + j;
@@ -383,11 +397,7 @@ struct Call {
       return;
     }
     mat_start.resize(entries);
-    mat_rows = 0;
-    for (int64_t e = 0; e < entries; ++e) {
-      mat_start[e] = mat_rows;
-      mat_rows += kv_len[e];
-    }
+    mat_rows = lay_out_by_rows(q_start, kv_len, mat_start);
     int64_t* src;
     std::tie(kv_source, src) = alloc(mat_rows);
     for (int64_t e = 0; e < entries; ++e) {

@@ -206,6 +206,30 @@ def test_named_plan_kinds_match_the_oracle(kind, dtype):
         _check(plan, rank, cu, 8, 2, 128, dtype, rank, blocks=blocks)
 
 
+@pytest.mark.parametrize("kind", ["zigzag", "thd", "uneven", "packed_cut", "random_rows"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_windows_match_the_oracle(kind, dtype):
+    """Every backward call cut into windows of its rows (a workspace budget of 1 MiB: windows
+    of 256 query plus key-gradient rows at 8 heads, d = 128), through the layout the choice
+    takes: cuDNN given row slices of the query, output and statistics and of one key-gradient
+    buffer, with tables counted from the window."""
+    g = torch.Generator().manual_seed(5)
+    if kind in ("packed_cut", "random_rows"):
+        plan, cu = _named_plan(kind, 3000, g)
+    else:
+        plan, cu = _plan(kind, 1024, g)
+    kernel = cudnn_kernel.CudnnKernel(cudnn_kernel.CudnnOptions(backward_workspace=1 << 20))
+    assert kernel.backward_window_rows(8, 128) == 256
+    windowed = 0
+    for rank in range(plan.cp_size):
+        chosen = build_attention_tables(plan, rank, _sequence(plan.seq_len, cu))
+        blocks = {} if isinstance(chosen, AttentionBlocks) else None
+        tables = _check(plan, rank, cu, 8, 2, 128, dtype, rank, blocks=blocks, kernel=kernel)
+        calls = [tables] if isinstance(tables, AttentionRuns) else list(tables.levels)
+        windowed += sum(len(c.backward_windows(256)) > 1 for c in calls)
+    assert windowed
+
+
 def test_the_choice_takes_blocks_for_scattered_rows_and_runs_else():
     g = torch.Generator().manual_seed(2)
     half, _ = _plan("random_half", 4096, g)

@@ -194,15 +194,14 @@ def test_named_plans_match_the_oracle(plan_kind):
     unowned=st.sampled_from([0.0, 0.2]),
     group_rows=st.sampled_from([1, 2, 3, 5]),
     span_budget=st.sampled_from([1, 7, 10**6]),
-    shared=st.booleans(),
+    kernel=st.sampled_from(REFERENCE_KERNELS),
 )
 def test_blocked_layout_matches_the_oracle(
-    seed, cp, seq_len, packed, unowned, group_rows, span_budget, shared
+    seed, cp, seq_len, packed, unowned, group_rows, span_budget, kernel
 ):
     """Groups, diagonal spans in several calls, the backward's levels and their fp32 sums, on
-    random plans (small groups make many levels)."""
+    random plans (small groups make many levels), under every kernel contract."""
     plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
-    kernel = SharedKeysReferenceKernel if shared else ReferenceKernel
     for rank in range(cp):
         if plan.counts[rank] == 0:
             with pytest.raises(ValueError, match="owns no positions"):
@@ -524,6 +523,75 @@ def test_the_backward_split_partitions_each_entrys_keys():
     assert runs.backward_split(margin=1.25) is None
     square = _runs(ContextParallelPlan.contiguous(32, 1), 0, None)
     assert square.backward_split() is None
+
+
+def _rows_written(call, offset=(0, 0)):
+    """Each entry of ``call`` as ``(first query row, rows, first key, keys, first key-gradient
+    row)`` in the coordinates of the buffers of the call it came from."""
+    q_lo, m_lo = offset
+    return [
+        (q + q_lo, n, k, m, g + m_lo)
+        for q, n, k, m, g in zip(
+            call.q_start.tolist(), call.q_len.tolist(), call.k_start.tolist(),
+            call.kv_len.tolist(), call.mat_start.tolist(),
+        )
+    ]  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(2, 96),
+    packed=st.booleans(),
+    max_rows=st.integers(1, 120),
+)
+def test_backward_windows_cover_each_entry_once(seed, cp, seq_len, packed, max_rows):
+    """Windows hold every entry of the call once, in the call's order, each within its
+    window's rows; a window spans at most ``max_rows`` query plus key-gradient rows unless it
+    holds one entry; ``rows_covered`` says whether its entries fill its query rows."""
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, 0.0)
+    for rank in range(cp):
+        whole = _runs(plan, rank, cu, merge_gap=1)
+        for call in (whole,) + tuple(whole.backward_split(margin=1.0) or ()):
+            windows = call.backward_windows(max_rows)
+            if call.query_rows + call.mat_rows <= max_rows or call.entries < 2:
+                assert windows == (call,)
+                continue
+            seen = []
+            for w in windows:
+                q_lo, q_hi, m_lo, m_hi = w.window
+                assert w.query_rows == q_hi - q_lo and w.mat_rows == m_hi - m_lo
+                assert w.entries == 1 or w.query_rows + w.mat_rows <= max_rows
+                assert w.causal == call.causal and w.materialize == call.materialize
+                assert (
+                    int((w.q_start + w.q_len).max()) <= w.query_rows and int(w.q_start.min()) >= 0
+                )
+                assert int((w.mat_start + w.kv_len).max()) <= w.mat_rows
+                assert int(w.mat_start.min()) >= 0
+                assert w.rows_covered == (int(w.q_len.sum()) == w.query_rows)
+                seen += _rows_written(w, (q_lo, m_lo))
+            whole_entries = _rows_written(call)
+            assert sorted(seen) == sorted(whole_entries)
+            # The kernel's entry order (longest first) holds within each window.
+            for w in windows:
+                order = [whole_entries.index(e) for e in _rows_written(w, w.window[::2])]
+                assert order == sorted(order)
+
+
+def test_backward_windows_of_thd_hold_whole_sequences():
+    """THD rank 0 at CP 2 (two runs of each of four sequences, their key-gradient rows laid out
+    in query-row order): windows of 64 rows take each sequence's two entries together."""
+    cu = (0, 16, 32, 48, 64)
+    plan = ContextParallelPlan.thd(torch.tensor(cu), 2)
+    runs = _runs(plan, 0, cu, merge_gap=1)
+    assert runs.materialize and runs.entries == 8
+    # Per sequence: 8 query rows; key rows 4 + 16 (the first and the last quarter).
+    windows = runs.backward_windows(2 * (8 + 20))
+    assert [w.entries for w in windows] == [4, 4]
+    assert [w.window for w in windows] == [(0, 16, 0, 40), (16, 32, 40, 80)]
+    assert all(w.rows_covered for w in windows)
+    assert runs.backward_windows(runs.query_rows + runs.mat_rows) == (runs,)
 
 
 def test_the_split_calls_travel_with_the_call():

@@ -86,6 +86,13 @@ class CudnnOptions:
             backward as an unmasked call of their key prefixes and a top-left call of their
             square diagonals (``AttentionRuns.backward_split``, where its rectangles exceed
             its visible pairs by ``runs.SPLIT_MARGIN``), so no masked tile is computed.
+        backward_workspace: bytes of fp32 accumulators one backward call may size (None: no
+            bound). cuDNN's backward sizes them by the rows its buffers span, 4 H d bytes per
+            query row (dQ) and, with GQA, per key-gradient row (dK and dV per query head,
+            ``exact_key_workspace``), not by the rows its entries use: by that count one call
+            over THD's 65,536 rows and 163,840 key-gradient rows at S = 131,072 (40 heads,
+            d = 128) sizes 4.7 GB. Calls beyond this run over windows of their rows
+            (``AttentionRuns.backward_windows``).
     """
 
     shared_keys_in_backward: bool = True
@@ -94,6 +101,7 @@ class CudnnOptions:
     graph_options: Tuple[Tuple[str, object], ...] = ()
     square_top_left: bool = True
     split_backward: bool = True
+    backward_workspace: Optional[int] = 1 << 29
 
 
 def diagonal(runs, options: CudnnOptions) -> Optional[str]:
@@ -372,6 +380,18 @@ class CudnnKernel:
         """Whether ``fused`` splits a causal call's backward (``CudnnOptions.split_backward``)."""
         return self.options.split_backward and self.options.square_top_left
 
+    def backward_window_rows(self, heads: int, dim: int) -> Optional[int]:
+        """Query plus key-gradient rows one backward call may span
+        (``CudnnOptions.backward_workspace``: four bytes per head and dimension a row)."""
+        budget = self.options.backward_workspace
+        return None if budget is None else max(int(budget) // (4 * heads * dim), 1)
+
+    def key_gradients(self, kv: torch.Tensor, runs) -> torch.Tensor:
+        """The ``[2, M, G, d]`` buffer a call's backward writes its key gradients into, zero
+        where no entry writes (given to the call's pieces as ``dkv_out``)."""
+        _, _, dkv = _key_gradient_buffers(kv, runs, self.options.separate_key_gradients)
+        return dkv if dkv.dim() == 4 else _as_split(dkv, runs, kv.shape[2] // 2)
+
     def __repr__(self) -> str:
         return f"CudnnKernel({self.options})"
 
@@ -483,7 +503,12 @@ class CudnnKernel:
             return dq, dkv_out
         if separate:
             return dq, dkv
-        return dq, dkv.view(runs.mat_rows, groups, 2, dim).permute(2, 0, 1, 3)
+        return dq, _as_split(dkv, runs, dim)
+
+
+def _as_split(dkv: torch.Tensor, runs, dim: int) -> torch.Tensor:
+    """The interleaved ``[M, G, 2d]`` key gradients viewed as ``[2, M, G, d]``."""
+    return dkv.view(runs.mat_rows, dkv.shape[1], 2, dim).permute(2, 0, 1, 3)
 
 
 def _key_gradient_buffers(kv: torch.Tensor, runs, separate: bool):

@@ -106,17 +106,42 @@ def _keys_for(runs: AttentionRuns, kv: torch.Tensor, kernel: AttentionKernel) ->
 
 
 def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *args):
-    """``kernel.backward`` of one call, as its prefix and diagonal calls where the kernel asks
-    for it (``split_backward``) and ``runs.backward_split`` finds it worth a second call."""
+    """``kernel.backward`` of one call: ``(dq [Tq, H, d], dkv [2, M, G, d])``.
+
+    Run as pieces where the kernel asks for them: the prefix and diagonal calls
+    (``split_backward``, where ``runs.backward_split`` finds a second call worth it), each cut
+    into windows of its rows (``backward_window_rows``, ``runs.backward_windows``). The pieces
+    write disjoint key-gradient rows of one buffer and their query gradients add (in the
+    inputs' type, one rounding a term as the split always did)."""
     split = runs.backward_split() if kernel.split_backward else None
-    if split is None:
+    parts = (runs,) if split is None else split
+    rows = kernel.backward_window_rows(q.shape[1], q.shape[2])
+    pieces = parts if rows is None else tuple(w for p in parts for w in p.backward_windows(rows))
+    if pieces == (runs,):
         return kernel.backward(q, keys, o, do, stats, runs, dev, *args)
-    prefix, diagonal = split
-    dq, dkeys = kernel.backward(q, keys, o, do, stats, prefix, prefix.on(q.device), *args)
-    dq_diagonal, dkeys = kernel.backward(
-        q, keys, o, do, stats, diagonal, diagonal.on(q.device), *args, dkv_out=dkeys
-    )
-    return dq.add_(dq_diagonal), dkeys
+    # Per-entry key copies are laid out like the key gradients: a window reads its rows.
+    copies = runs.materialize and not kernel.shared_keys_in_backward
+    dkv = kernel.key_gradients(keys, runs)
+    dq = None
+    for piece in pieces:
+        pd = piece.on(q.device)
+        if piece.window is None:
+            dq_piece, _ = kernel.backward(q, keys, o, do, stats, piece, pd, *args, dkv_out=dkv)
+            if dq is None:  # the first piece's gradient (zero outside its entries) is the sum
+                dq = dq_piece
+            else:
+                dq.add_(dq_piece)
+            continue
+        q_lo, q_hi, m_lo, m_hi = piece.window
+        rows_of = slice(q_lo, q_hi)
+        dq_piece, _ = kernel.backward(
+            q[rows_of], keys[m_lo:m_hi] if copies else keys, o[rows_of], do[rows_of],
+            stats[rows_of], piece, pd, *args, dkv_out=dkv[:, m_lo:m_hi],
+        )  # fmt: skip
+        if dq is None:
+            dq = torch.zeros_like(q)
+        dq[rows_of] += dq_piece
+    return dq, dkv
 
 
 def _slot_gradients(dkeys: torch.Tensor, runs: AttentionRuns, dev) -> torch.Tensor:
@@ -213,15 +238,16 @@ class _BlockedAttention(torch.autograd.Function):
         for call, first, end in blocks.diagonal:
             cd = call.on(q.device)
             span = [row_ops.gather_rows(t, cd.span_source) for t in (q, o, do, lse)]
-            dq_span, dkv_call = kernel.backward(
-                span[0], _keys_for(call, kv, kernel), span[1], span[2], span[3], call, cd, *args
-            )
+            dq_span, dkv_call = _call_backward(
+                kernel, span[0], _keys_for(call, kv, kernel), span[1], span[2], span[3], call,
+                cd, *args,
+            )  # fmt: skip
             dq[first:end] += row_ops.gather_rows(dq_span, cd.local_to_span)
             sums.add_key_rows(dkv, cd.kv_source, dkv_call)
         for call, rows in zip(blocks.levels, dev.touched):
             cd = call.on(q.device)
-            dq_call, dkv_call = kernel.backward(
-                q, _keys_for(call, kv, kernel), o, do, lse, call, cd, *args
+            dq_call, dkv_call = _call_backward(
+                kernel, q, _keys_for(call, kv, kernel), o, do, lse, call, cd, *args
             )
             sums.add_rows(dq, rows, dq_call, rows)
             sums.add_key_rows(dkv, cd.kv_source, dkv_call)
@@ -315,9 +341,10 @@ class _TreeAttention(torch.autograd.Function):
                 sub = [t[part] for t in (q, o, do, lse)]
             else:
                 sub = [row_ops.gather_rows(t, rows) for t in (q, o, do, lse)]
-            dq_l, dkv_l = kernel.backward(
-                sub[0], _keys_for(call, kv, kernel), sub[1], sub[2], sub[3], call, cd, *args
-            )
+            dq_l, dkv_l = _call_backward(
+                kernel, sub[0], _keys_for(call, kv, kernel), sub[1], sub[2], sub[3], call, cd,
+                *args,
+            )  # fmt: skip
             if part is not None:
                 dq[part] += dq_l
             else:

@@ -37,6 +37,16 @@ class AttentionKernel(Protocol):
     shared_keys_in_backward: bool
     split_backward: bool
 
+    def backward_window_rows(self, heads: int, dim: int) -> Optional[int]:
+        """Query plus key-gradient rows one backward call may span before the caller cuts it
+        into windows (``AttentionRuns.backward_windows``); None: never cut."""
+        ...
+
+    def key_gradients(self, kv: torch.Tensor, runs) -> torch.Tensor:
+        """A ``dkv`` ``[2, M, G, d]`` for ``runs``' backward, zero where no entry writes: the
+        caller hands it (or windows of its rows) to the call's pieces as ``dkv_out``."""
+        ...
+
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor, runs, dev, scale: float, want_stats: bool
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -56,7 +66,8 @@ class AttentionKernel(Protocol):
         deterministic: bool,
         dkv_out: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(dq, dkv)`` of every entry. With ``dkv_out`` (a ``dkv`` an earlier call returned,
-        ``[2, M, G, d]``), the key gradients are written into it, rows no entry writes keep
-        their values, and it is returned (``AttentionRuns.backward_split``'s second call)."""
+        """``(dq, dkv)`` of every entry. With ``dkv_out`` (``[2, M, G, d]``: a ``dkv`` an
+        earlier call returned, ``key_gradients``' buffer, or a window of its rows), the key
+        gradients are written into it, rows no entry writes keep their values, and it is
+        returned (the pieces of a split or windowed backward)."""
         ...

@@ -416,7 +416,12 @@ class AttentionRuns(ReadOnlyTables):
         work: score elements of the rows' own causal attention (each row's keys from its
             sequence's start to itself; no tiles, no dummies), for the layout choice (None on
             ``from_entries`` calls).
+        window: ``(q_lo, q_hi, m_lo, m_hi)`` on a call of ``backward_windows``: the rows of the
+            whole call's query buffer and key-gradient buffer it runs on (its tables count
+            from ``q_lo`` and ``m_lo``); None on a whole call.
     """
+
+    window: Optional[Tuple[int, int, int, int]] = None
 
     @classmethod
     @serial_host_ops()
@@ -519,7 +524,7 @@ class AttentionRuns(ReadOnlyTables):
         """One kernel call of entries given directly (the blocked layout's calls).
 
         Entries must not share query rows; their keys may overlap. The backward writes each
-        entry's key gradients to its own rows (``materialize``: packed in entry order,
+        entry's key gradients to its own rows (``materialize``: packed in query-row order,
         ``kv_source`` naming the compact key of each), so the caller adds them where they
         belong. Entries are run longest first.
 
@@ -539,10 +544,7 @@ class AttentionRuns(ReadOnlyTables):
             first = torch.argsort(kv_len, descending=True, stable=True)
             q_start, q_len, k_start, kv_len = (t[first] for t in (q_start, q_len, k_start, kv_len))
         if backward:
-            mat_start = torch.cumsum(kv_len, 0) - kv_len
-            mat_rows = int(kv_len.sum())
-            shift = torch.repeat_interleave(mat_start - k_start, kv_len)
-            kv_source = torch.arange(mat_rows) - shift
+            mat_start, mat_rows, kv_source = _own_key_rows(q_start, k_start, kv_len)
         else:
             mat_start, mat_rows, kv_source = k_start, num_keys, None
         return cls.from_layout(
@@ -617,6 +619,75 @@ class AttentionRuns(ReadOnlyTables):
                 )
         self._derived[key] = out
         return out
+
+    def backward_windows(self, max_rows: int) -> Tuple["AttentionRuns", ...]:
+        """This call's backward as calls over windows of its buffers, or ``(self,)`` when its
+        query rows and key-gradient rows come to at most ``max_rows``.
+
+        A kernel's backward may size its accumulators by the rows its buffers span rather than
+        by the rows its entries use (cuDNN: fp32 dQ for every query row and, with GQA, fp32
+        per-query-head dK / dV for every key-gradient row), so one call over a long batch holds
+        gigabytes that the same entries cut into several calls do not. Entries taken in
+        query-row order are grouped while the group's query-row window plus its key-gradient
+        window (``mat_start`` rows, laid out in query-row order) stays within ``max_rows``; an
+        entry larger than that is a window of its own.
+
+        Each window is a call whose ``window`` is ``(q_lo, q_hi, m_lo, m_hi)`` and whose tables
+        count from ``q_lo`` and ``m_lo``: its backward is given the rows ``[q_lo, q_hi)`` of
+        the query buffer, the output, its gradient and the statistics, and the key-gradient
+        rows ``[m_lo, m_hi)`` (and those rows of per-entry key copies); the compact keys are
+        read in place (``k_start`` is not rebased). Query rows of a window outside its entries
+        read a zero gradient (``rows_covered`` False). Every entry is in one window and the
+        windows' entries keep this call's order, so the windows' key gradients are this call's
+        and their query gradients add up to it.
+        """
+        key = ("backward_windows", int(max_rows))
+        if key in self._derived:
+            return self._derived[key]
+        out = (self,)
+        if self.entries > 1 and self.query_rows + self.mat_rows > max_rows:
+            out = self._windows(int(max_rows))
+        self._derived[key] = out
+        return out
+
+    def _windows(self, max_rows: int) -> Tuple["AttentionRuns", ...]:
+        """``backward_windows``' calls (a greedy pass over the entries in query-row order)."""
+        order = ascending_order(self.q_start).tolist()
+        q_start, q_len = self.q_start.tolist(), self.q_len.tolist()
+        m_start, m_len = self.mat_start.tolist(), self.kv_len.tolist()
+        groups, members = [], []
+        q_lo = q_hi = m_lo = m_hi = 0
+        for e in order:
+            qe, me = q_start[e] + q_len[e], m_start[e] + m_len[e]
+            if members:
+                lo, hi = min(m_lo, m_start[e]), max(m_hi, me)
+                if max(q_hi, qe) - q_lo + hi - lo <= max_rows:
+                    members.append(e)
+                    q_hi, m_lo, m_hi = max(q_hi, qe), lo, hi
+                    continue
+                groups.append((members, (q_lo, q_hi, m_lo, m_hi)))
+            members, q_lo, q_hi, m_lo, m_hi = [e], q_start[e], qe, m_start[e], me
+        groups.append((members, (q_lo, q_hi, m_lo, m_hi)))
+        if len(groups) == 1:
+            return (self,)
+        return tuple(self._window(sorted(members), window) for members, window in groups)
+
+    def _window(self, members, window) -> "AttentionRuns":
+        """The call of the entries ``members`` (indices, this call's order) on ``window``."""
+        q_lo, q_hi, m_lo, m_hi = window
+        keep = torch.tensor(members, dtype=torch.int64)
+        q_len = self.q_len[keep]
+        tables = (
+            self.q_start[keep] - q_lo, q_len, self.k_start[keep], self.kv_len[keep],
+            self.mat_start[keep] - m_lo, None, None, None,
+        )  # fmt: skip
+        return self._from_tables(
+            tables, True, q_hi - q_lo, self.materialize, m_hi - m_lo, slot_copies=None,
+            keys_covered=False, work=None, shape_buckets=None, plan=self.plan, rank=self.rank,
+            rows=q_hi - q_lo, num_keys=self.num_keys, compact_slots=None, slots=self.slots,
+            rows_covered=int(q_len.sum()) == q_hi - q_lo, causal=self.causal,
+            window=(q_lo, q_hi, m_lo, m_hi),
+        )  # fmt: skip
 
     def _part(self, keep, key_shift, kv_len, causal: bool) -> "AttentionRuns":
         """The call of the entries ``keep`` with their keys from ``k_start + key_shift`` (and
@@ -742,7 +813,7 @@ def _reference_tables(plan, rank, sequence, keys, padding_rows, merge_gap, longe
         q_start, q_len, lo, k_start, kv_len = (
             t[first] for t in (q_start, q_len, lo, k_start, kv_len)
         )
-    materialize, mat_start, mat_rows, kv_source = _key_rows(keys, lo, k_start, kv_len)
+    materialize, mat_start, mat_rows, kv_source = _key_rows(keys, lo, q_start, k_start, kv_len)
     slot_copies = _slot_copies(plan, keys, kv_source if materialize else None)
     keys_covered = not materialize and _keys_covered(keys, k_start, kv_len)
     tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source)
@@ -808,18 +879,30 @@ def _query_layout(compact: torch.Tensor, spans: dict, num_keys: int, padding_row
     return False, query_rows, q_start, span_len, span_lo, span_source, local_to_span
 
 
-def _key_rows(keys: CompactKeys, lo, k_start, kv_len):
+def _key_rows(keys: CompactKeys, lo, q_start, k_start, kv_len):
     """The backward's key-gradient rows: ``(materialize, mat_start, mat_rows, kv_source)``.
     Entries of one sequence share keys, so when a sequence has two or more entries each entry
-    gets its own rows (``kv_source``: the compact key of each row); else the compact keys."""
+    gets its own rows (``_own_key_rows``); else the compact keys."""
     entries = int(kv_len.numel())
     entry_seq = keys.sequence[lo] if entries else lo
     if entries > 1 and int(torch.unique(entry_seq).numel()) < entries:
-        mat_start = torch.cumsum(kv_len, 0) - kv_len
-        mat_rows = int(kv_len.sum())
-        kv_source = torch.arange(mat_rows) - torch.repeat_interleave(mat_start - k_start, kv_len)
-        return True, mat_start, mat_rows, kv_source
+        return (True,) + _own_key_rows(q_start, k_start, kv_len)
     return False, k_start, keys.count, None
+
+
+def _own_key_rows(q_start, k_start, kv_len):
+    """Each entry's own key-gradient rows: ``(mat_start, mat_rows, kv_source)``, ``kv_source``
+    the compact key of each row. Packed in the order of the entries' query rows, not the
+    kernel's entry order: entries with neighbouring query rows then have neighbouring
+    key-gradient rows, and a backward cut into windows of both
+    (``AttentionRuns.backward_windows``) gets narrow windows."""
+    order = ascending_order(q_start)
+    packed = torch.cumsum(kv_len[order], 0) - kv_len[order]
+    mat_start = torch.empty_like(kv_len)
+    mat_start[order] = packed
+    mat_rows = int(kv_len.sum())
+    shift = torch.repeat_interleave((mat_start - k_start)[order], kv_len[order])
+    return mat_start, mat_rows, torch.arange(mat_rows) - shift
 
 
 def _slot_copies(plan, keys: CompactKeys, kv_source: Optional[torch.Tensor]) -> torch.Tensor:
