@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.context_parallel.attention.runs import SPLIT_MARGIN
+
 
 def _stats_dtype(q):
     return torch.promote_types(q.dtype, torch.float32)
@@ -45,6 +47,7 @@ class ReferenceKernel:
     shared_keys_in_backward = False
     # Run a causal call's backward as its prefix and diagonal calls (the split kernels below).
     split_backward = False
+    split_margin = SPLIT_MARGIN
     # Query plus key-gradient rows one backward call may span before the fused path cuts it
     # into windows (the windowed kernels below); None: never.
     window_rows = None

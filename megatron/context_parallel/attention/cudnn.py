@@ -32,6 +32,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron.context_parallel.attention.runs import SPLIT_MARGIN
+
 __all__ = [
     "KERNEL",
     "CudnnKernel",
@@ -85,7 +87,9 @@ class CudnnOptions:
         split_backward: with ``square_top_left``, a causal call of non-square entries runs its
             backward as an unmasked call of their key prefixes and a top-left call of their
             square diagonals (``AttentionRuns.backward_split``, where its rectangles exceed
-            its visible pairs by ``runs.SPLIT_MARGIN``), so no masked tile is computed.
+            its visible pairs by ``split_margin``), so no masked tile is computed.
+        split_margin: how much the rectangles of a causal call's entries must exceed their
+            visible pairs for the split (``runs.SPLIT_MARGIN`` by default).
         backward_workspace: bytes of fp32 accumulators one backward call may size (None: no
             bound). cuDNN's backward sizes them by the rows its buffers span, 4 H d bytes per
             query row (dQ) and, with GQA, per key-gradient row (dK and dV per query head,
@@ -101,6 +105,7 @@ class CudnnOptions:
     graph_options: Tuple[Tuple[str, object], ...] = ()
     square_top_left: bool = True
     split_backward: bool = True
+    split_margin: float = SPLIT_MARGIN
     backward_workspace: Optional[int] = 1 << 29
 
 
@@ -379,6 +384,11 @@ class CudnnKernel:
     def split_backward(self) -> bool:
         """Whether ``fused`` splits a causal call's backward (``CudnnOptions.split_backward``)."""
         return self.options.split_backward and self.options.square_top_left
+
+    @property
+    def split_margin(self) -> float:
+        """``CudnnOptions.split_margin``."""
+        return self.options.split_margin
 
     def backward_window_rows(self, heads: int, dim: int) -> Optional[int]:
         """Query plus key-gradient rows one backward call may span

@@ -113,7 +113,7 @@ def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *arg
     into windows of its rows (``backward_window_rows``, ``runs.backward_windows``). The pieces
     write disjoint key-gradient rows of one buffer and their query gradients add (in the
     inputs' type, one rounding a term as the split always did)."""
-    split = runs.backward_split() if kernel.split_backward else None
+    split = runs.backward_split(kernel.split_margin) if kernel.split_backward else None
     parts = (runs,) if split is None else split
     rows = kernel.backward_window_rows(q.shape[1], q.shape[2])
     pieces = parts if rows is None else tuple(w for p in parts for w in p.backward_windows(rows))

@@ -32,10 +32,12 @@ class AttentionKernel(Protocol):
         split_backward: a causal call's backward may run as its prefix and diagonal calls
             (``AttentionRuns.backward_split``), the second given ``dkv_out``; for a kernel whose
             backward skips masked tiles only on square entries.
+        split_margin: the ``margin`` of that split (``AttentionRuns.backward_split``).
     """
 
     shared_keys_in_backward: bool
     split_backward: bool
+    split_margin: float
 
     def backward_window_rows(self, heads: int, dim: int) -> Optional[int]:
         """Query plus key-gradient rows one backward call may span before the caller cuts it
