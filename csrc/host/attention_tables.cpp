@@ -102,8 +102,7 @@ int64_t lay_out_by_rows(const Vec& q_start, const Vec& kv_len, Vec& mat_start) {
 }
 
 // The entries of one rank's rows (AttentionRuns.build). Returns the tensors
-//   q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source,
-//   slot_copies ([copies * slots], row-major)
+//   q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, entry_copy
 // (empty where the flags say absent) and the flags
 //   identity, query_rows, materialize, mat_rows, keys_covered, copies, work (score elements of
 //   the rows' own causal attention: each row's keys from its sequence's start to itself).
@@ -111,11 +110,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
     const at::Tensor& positions, const at::Tensor& of_position, const at::Tensor& sequence,
     const at::Tensor& key_slots, const at::Tensor& key_sequence,
     const at::Tensor& key_sequence_start, int64_t padding_rows, int64_t merge_gap,
-    bool longest_first, int64_t slots, bool slots_in_source_order) {
+    bool longest_first) {
   const int64_t* pos = read(positions, "run_tables: positions");
   const int64_t* of = read(of_position, "run_tables: of_position");
   const int64_t* seq = read(sequence, "run_tables: sequence");
-  const int64_t* kslot = read(key_slots, "run_tables: key_slots");
   const int64_t* kseq = read(key_sequence, "run_tables: key_sequence");
   const int64_t* kstart = read(key_sequence_start, "run_tables: key_sequence_start");
   const int64_t n = positions.numel();
@@ -223,36 +221,28 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
     std::sort(seqs.begin(), seqs.end());
     materialize = std::adjacent_find(seqs.begin(), seqs.end()) != seqs.end();
   }
-  Vec mat_start = k_start;
-  at::Tensor kv_source = none();
-  int64_t* kv_src = nullptr;
-  int64_t mat_rows = num_keys;
+  // Each entry writes its own key-gradient rows; a key's copies are summed into its slot by
+  // slot_copies, which the device derives from the per-entry tables (AttentionRuns
+  // .slot_copies): row j of it holds each key's copy in the entry of copy number j. Every entry
+  // of a sequence starts at the sequence's first key, so one with more keys covers every key of
+  // one with fewer: numbered by key count, longest first, the entries covering a key are copies
+  // 0, 1, ... of it, whatever the key.
+  Vec mat_start = k_start, entry_copy(entries, 0);
+  int64_t mat_rows = num_keys, copies = 1;
   if (materialize) {
     mat_rows = lay_out_by_rows(q_start, kv_len, mat_start);
-    std::tie(kv_source, kv_src) = alloc(mat_rows);
-    for (int64_t e = 0; e < entries; ++e) {
-      for (int64_t j = 0; j < kv_len[e]; ++j) kv_src[mat_start[e] + j] = k_start[e] + j;
-    }
-  }
-  // Row j of slot_copies: for each slot, the backward row of its key's j-th copy (rows taken
-  // in ascending order, as a stable sort by key would list them).
-  const int64_t rows = materialize ? mat_rows : num_keys;
-  Vec seen(num_keys, 0);
-  int64_t copies = 1;
-  for (int64_t r = 0; r < rows; ++r) {
-    copies = std::max(copies, ++seen[materialize ? kv_src[r] : r]);
-  }
-  const bool slots_are_rows = !materialize && slots_in_source_order;
-  at::Tensor slot_copies = none();
-  if (!slots_are_rows) {
-    slot_copies = at::full({copies * slots}, -1, at::kLong);
-    int64_t* sc = slot_copies.data_ptr<int64_t>();
-    std::fill(seen.begin(), seen.end(), 0);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t k = materialize ? kv_src[r] : r;
-      TORCH_CHECK(kslot[k] >= 0 && kslot[k] < slots, "run_tables: key slot ", kslot[k],
-                  " outside the ", slots, " slots");
-      sc[seen[k]++ * slots + kslot[k]] = r;
+    Vec order(entries);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      const int64_t sa = kseq[lo[a]], sb = kseq[lo[b]];
+      return sa != sb ? sa < sb : kv_len[a] > kv_len[b];
+    });
+    int64_t number = 0;
+    for (int64_t i = 0; i < entries; ++i) {
+      const bool same = i > 0 && kseq[lo[order[i]]] == kseq[lo[order[i - 1]]];
+      number = same ? number + 1 : 0;
+      entry_copy[order[i]] = number;
+      copies = std::max(copies, number + 1);
     }
   }
   // Without copies, a key past the rank's last row of its sequence is attended by no entry.
@@ -268,9 +258,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
       keys_covered = running == seq_end[k];
     }
   }
-  std::vector<at::Tensor> out = {tensor(q_start), tensor(q_len),   tensor(k_start),
-                                 tensor(kv_len),  tensor(mat_start), span_source,
-                                 local_to_span,   kv_source,         slot_copies};
+  std::vector<at::Tensor> out = {tensor(q_start), tensor(q_len),     tensor(k_start),
+                                 tensor(kv_len),  tensor(mat_start),   span_source,
+                                 local_to_span,   tensor(entry_copy)};
   std::vector<int64_t> flags = {identity,     query_rows, materialize, mat_rows,
                                 keys_covered, copies,     work};
   return {out, flags};
@@ -610,7 +600,7 @@ TORCH_LIBRARY(megatron_cp_host, m) {
   m.def(
       "run_tables(Tensor positions, Tensor of_position, Tensor sequence, Tensor key_slots, "
       "Tensor key_sequence, Tensor key_sequence_start, int padding_rows, int merge_gap, "
-      "bool longest_first, int slots, bool slots_in_source_order) -> (Tensor[], int[])",
+      "bool longest_first) -> (Tensor[], int[])",
       &run_tables);
   m.def(
       "call_tables(Tensor q_start, Tensor q_len, Tensor k_start, Tensor kv_len, "

@@ -34,7 +34,7 @@ from megatron.context_parallel.attention.blocks import (
 )
 from megatron.context_parallel.attention.fused import fused_attention
 from megatron.context_parallel.attention.kernel import AttentionKernel
-from megatron.context_parallel.attention.runs import AttentionRuns, _bucket
+from megatron.context_parallel.attention.runs import AttentionRuns, CompactKeys, _bucket
 from megatron.context_parallel.attention.settings import (
     AttentionSettings,
     attention_settings,
@@ -555,8 +555,11 @@ def test_backward_windows_cover_each_entry_once(seed, cp, seq_len, packed, max_r
         whole = _runs(plan, rank, cu, merge_gap=1)
         for call in (whole,) + tuple(whole.backward_split(margin=1.0) or ()):
             windows = call.backward_windows(max_rows)
-            if call.query_rows + call.mat_rows <= max_rows or call.entries < 2:
+            if call.query_rows + call.mat_rows <= max_rows:
                 assert windows == (call,)
+                continue
+            if windows == (call,):  # one window, as wide as the buffers
+                assert windows[0].window is None
                 continue
             seen = []
             for w in windows:
@@ -594,6 +597,67 @@ def test_backward_windows_of_thd_hold_whole_sequences():
     assert runs.backward_windows(runs.query_rows + runs.mat_rows) == (runs,)
 
 
+# A drawn plan and the run tables' build options (shared with test_tables_native).
+RUN_TABLE_DRAWS = dict(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(1, 80),
+    packed=st.booleans(),
+    unowned=st.sampled_from([0.0, 0.2]),
+    merge_gap=st.sampled_from([1, 3, 64]),
+    longest_first=st.booleans(),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**RUN_TABLE_DRAWS)
+def test_key_sources_and_slot_copies_from_the_entries(
+    seed, cp, seq_len, packed, unowned, merge_gap, longest_first
+):
+    """``kv_source`` and ``slot_copies`` (derived from the per-entry tables, on the host and
+    by ``DeviceRuns``) against loops over the entries: each key-gradient row's key, and each
+    slot's copies exactly the rows of its key, in rows 0, 1, ... of ``slot_copies``."""
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    keys = CompactKeys(plan, _sequence(seq_len, cu))
+    for rank in range(cp):
+        padding = 1 if plan.counts[rank] == 0 else 0
+        runs = AttentionRuns.build(
+            plan, rank, _sequence(seq_len, cu), padding_rows=padding, merge_gap=merge_gap,
+            longest_first=longest_first,
+        )  # fmt: skip
+        key_of_row = {}
+        for e in range(runs.entries):
+            for j in range(int(runs.kv_len[e])):
+                row = int(runs.mat_start[e]) + j
+                assert row not in key_of_row or not runs.materialize
+                key_of_row[row] = int(runs.k_start[e]) + j
+        if not runs.materialize:
+            key_of_row = {k: k for k in range(runs.num_keys)}
+            assert runs.kv_source is None
+        else:
+            expected = torch.full((runs.mat_rows,), -1, dtype=torch.int64)
+            for row, key in key_of_row.items():
+                expected[row] = key
+            assert torch.equal(runs.kv_source, expected)
+        dev = runs.on(torch.device("cpu"))
+        assert "slot_copies" not in dev._offsets  # derived on first read, never copied
+        if runs.slots_are_rows:
+            assert runs.slot_copies is None and dev.slot_copies is None
+            assert torch.equal(keys.slots, torch.arange(keys.count))
+            continue
+        copies = runs.slot_copies
+        assert torch.equal(dev.slot_copies, copies)
+        if runs.materialize:
+            assert torch.equal(dev.kv_source, runs.kv_source)
+        for slot in range(runs.slots):
+            column = copies[:, slot].tolist()
+            rows = [r for r in column if r >= 0]
+            # Copies fill rows 0, 1, ... of the column: none after the first gap.
+            assert column == rows + [-1] * (len(column) - len(rows))
+            want = sorted(r for r, k in key_of_row.items() if int(keys.slots[k]) == slot)
+            assert sorted(rows) == want
+
+
 def test_the_split_calls_travel_with_the_call():
     """``on`` copies the split backward's per-entry tables in the call's one copy; they carry
     no row maps of their own (the backward reads the whole call's)."""
@@ -603,7 +667,7 @@ def test_the_split_calls_travel_with_the_call():
     dev = runs.on(torch.device("cpu"))
     for part in (prefix, diagonal):
         pdev = part._device[torch.device("cpu")]
-        assert pdev.span_source is None and pdev.kv_source is None
+        assert pdev.span_source is None and pdev.key_source is None and pdev.entry_copy is None
         assert torch.equal(pdev.seq_len_q.flatten()[: part.entries], part.q_len.to(torch.int32))
         assert torch.equal(pdev.kv_rows.flatten()[: part.entries], part.k_start)
     assert torch.equal(dev.seq_len_kv.flatten()[: runs.entries], runs.kv_len.to(torch.int32))

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention.test_runs import _drawn_plan, _sequence
+from attention.test_runs import RUN_TABLE_DRAWS, _drawn_plan, _sequence
 from megatron.context_parallel import ContextParallelPlan, _extension
 from megatron.context_parallel.attention.blocks import (
     AttentionBlocks,
@@ -68,15 +68,7 @@ def _fields(tables):
 
 @pytest.mark.skipif(OPS is None, reason="host builders not built")
 @settings(max_examples=120, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    cp=st.integers(1, 4),
-    seq_len=st.integers(1, 80),
-    packed=st.booleans(),
-    unowned=st.sampled_from([0.0, 0.2]),
-    merge_gap=st.sampled_from([1, 3, 64]),
-    longest_first=st.booleans(),
-)
+@given(**RUN_TABLE_DRAWS)
 def test_run_tables_equal_the_reference(
     seed, cp, seq_len, packed, unowned, merge_gap, longest_first
 ):
@@ -155,7 +147,7 @@ def test_bad_inputs_raise_naming_the_table():
     unowned = torch.tensor([1, 2])  # nobody owns position 2: it maps to position 1's key
     with pytest.raises(RuntimeError, match="position 2 is not an owned position"):
         OPS.run_tables(unowned, keys[1], torch.zeros(4, dtype=torch.int64), keys[0], keys[2],
-                       keys[3], 0, 64, True, 4, True)  # fmt: skip
+                       keys[3], 0, 64, True)  # fmt: skip
     with pytest.raises(RuntimeError, match="run_cost: local position 2 is not an owned position"):
         OPS.run_cost(unowned, keys[1], keys[2], keys[3], 64, 128)
 

@@ -147,7 +147,7 @@ def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *arg
 def _slot_gradients(dkeys: torch.Tensor, runs: AttentionRuns, dev) -> torch.Tensor:
     """The all-gather slots' gradient ``[slots, G, 2d]`` from the kernel's split key gradients
     ``[2, M, G, d]``: each slot's key copies summed (in fp32, rounded once)."""
-    if runs.slot_copies is None:
+    if runs.slots_are_rows:
         return sums.interleave(dkeys)
     return sums.slot_sums(dkeys, dev.slot_copies)
 

@@ -28,7 +28,8 @@ and value gradients whole, so their gradient rows must not overlap: when some se
 or more entries (``materialize``) each entry gets its own gradient rows (``mat_start``; a
 kernel that cannot read overlapping key ranges is also given the keys copied to those rows,
 ``kv_source``), and each all-gather slot's gradient is the sum of its key's rows
-(``slot_copies``).
+(``slot_copies``). Those two hold a row per key-gradient row or slot, so they are not built on
+the host nor copied: the device derives them from the per-entry tables at first use.
 
 Everything here is built once per batch on the host from the plan, then copied to the device
 once (``on(device)``), and shared by every layer. The builders run in C++
@@ -323,8 +324,11 @@ class DeviceRuns:
         q_rows: int64 ``[batch + 1]``, first query-buffer row of each entry.
         kv_rows: int64 ``[batch + 1]``, first compact key row of each entry (forward).
         mat_rows: int64 ``[batch + 1]``, first row of each entry in the backward's key buffer.
-        span_source / local_to_span / kv_source / compact_slots / slot_copies: as on
-            ``AttentionRuns``.
+        span_source / local_to_span / compact_slots: as on ``AttentionRuns``.
+        key_source: the ``kv_source`` a call was given (``from_entries``), else None.
+        entry_copy: int64 ``[batch]``, each entry's copy number (``AttentionRuns.entry_copy``;
+            0 for padding entries), or None.
+        runs: the host tables these came from (their sizes and flags).
     """
 
     seq_len_q: torch.Tensor
@@ -334,10 +338,43 @@ class DeviceRuns:
     mat_rows: torch.Tensor
     span_source: Optional[torch.Tensor]
     local_to_span: Optional[torch.Tensor]
-    kv_source: Optional[torch.Tensor]
+    key_source: Optional[torch.Tensor]
     compact_slots: Optional[torch.Tensor]
-    slot_copies: Optional[torch.Tensor]
+    entry_copy: Optional[torch.Tensor]
+    runs: "AttentionRuns" = field(repr=False)
     _offsets: Dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def kv_source(self) -> Optional[torch.Tensor]:
+        """int64 ``[mat_rows]`` on the device, as ``AttentionRuns.kv_source`` (derived from the
+        per-entry tables at first use unless the call was given it)."""
+        if self.key_source is not None or not self.runs.materialize:
+            return self.key_source
+        out = self._offsets.get("kv_source")
+        if out is None:
+            out = self._offsets["kv_source"] = key_sources(*self._entries(), self.runs.mat_rows)
+        return out
+
+    @property
+    def slot_copies(self) -> Optional[torch.Tensor]:
+        """int64 ``[copies, slots]`` on the device, as ``AttentionRuns.slot_copies`` (derived
+        from the per-entry tables and ``compact_slots`` at first use)."""
+        runs = self.runs
+        if runs.slots_are_rows:
+            return None
+        out = self._offsets.get("slot_copies")
+        if out is None:
+            out = self._offsets["slot_copies"] = slot_copy_rows(
+                *self._entries(), self.entry_copy, runs.materialize, runs.copies,
+                self.compact_slots, runs.slots, runs.num_keys,
+            )  # fmt: skip
+        return out
+
+    def _entries(self):
+        """``(k_start, mat_start, kv_len, key_rows)`` of the padded entries (padding entries
+        have no keys), ``key_rows`` their key total."""
+        kv_len = self.seq_len_kv.view(-1).to(torch.int64)
+        return self.kv_rows[:-1], self.mat_rows[:-1], kv_len, self.runs.key_rows
 
     def offsets(self, which: str, stride: int) -> torch.Tensor:
         """int64 ``[batch + 1, 1, 1, 1]`` element offsets: ``which`` rows times ``stride``."""
@@ -396,15 +433,22 @@ class AttentionRuns(ReadOnlyTables):
             when ``identity``).
         query_rows: rows of the query buffer (``rows`` when ``identity``).
         materialize: entries overlap, so each gets its own rows of key gradients.
-        kv_source: int64 ``[mat_rows]``, the compact key of each of those rows (None unless
-            ``materialize``).
+        kv_source: int64 ``[mat_rows]``, the compact key of each of those rows (-1: a row no
+            entry writes; None unless ``materialize``). A property: derived from the per-entry
+            tables at first read unless the call was given it (``from_entries``).
         mat_rows: rows of the backward's key gradients (``num_keys`` unless ``materialize``).
+        key_rows: the entries' key total (``kv_len.sum()``).
         compact_slots: int64 ``[N]``, the all-gather slot of each compact key, or None when the
             slots already are the compact keys (a contiguous plan with equal shards).
         slots: rows of the padded all-gather (``cp_size * max_count``).
-        slot_copies: int64 ``[copies, slots]``: row ``j`` holds, for each slot, the backward
-            buffer row of its key's ``j``-th copy (-1: none, e.g. a padding slot); None when
-            the backward buffer rows are the slots themselves.
+        entry_copy: int64 ``[B]``, with ``materialize``: each entry's copy number, its rank by
+            key count (longest first) among its sequence's entries. Each starts at its
+            sequence's first key, so the entries covering a key are its copies 0, 1, ...
+        copies: the most copies of one key (1 without ``materialize``).
+        slots_are_rows: the backward buffer rows are the all-gather slots themselves.
+        slot_copies: int64 ``[copies, slots]`` (a property, derived at first read; None when
+            ``slots_are_rows``): row ``j`` holds, for each slot, the backward buffer row of its
+            key's copy ``j`` (-1: none, e.g. a padding slot).
         keys_covered: without copies, every compact key is attended by some entry (else the
             key gradient starts at zero rather than being written whole by the kernel).
         rows_covered: every query-buffer row belongs to an entry, or is never read (so the
@@ -463,10 +507,10 @@ class AttentionRuns(ReadOnlyTables):
         tables, flags = build(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first)
         slots = plan.cp_size * plan.max_count
         identity, query_rows, materialize, mat_rows, keys_covered, n_copies, work = flags
-        slots_are_rows = not materialize and plan.slots_in_source_order
         return cls._from_tables(
-            tables[:8], bool(identity), query_rows, bool(materialize), mat_rows,
-            slot_copies=None if slots_are_rows else tables[8].view(n_copies, slots),
+            (*tables[:7], None), bool(identity), query_rows, bool(materialize), mat_rows,
+            entry_copy=tables[7] if materialize else None, copies=int(n_copies),
+            slots_are_rows=not materialize and plan.slots_in_source_order,
             keys_covered=bool(keys_covered), work=work, shape_buckets=shape_buckets,
             plan=plan, rank=rank, rows=int(plan.counts[rank]) + padding_rows,
             num_keys=keys.count, compact_slots=None if plan.slots_in_source_order else keys.slots,
@@ -475,13 +519,14 @@ class AttentionRuns(ReadOnlyTables):
 
     @classmethod
     def _from_tables(
-        cls, tables, identity, query_rows, materialize, mat_rows, *, slot_copies, keys_covered,
-        work, shape_buckets, **rest,
+        cls, tables, identity, query_rows, materialize, mat_rows, *, entry_copy, copies,
+        slots_are_rows, keys_covered, work, shape_buckets, **rest,
     ) -> "AttentionRuns":  # fmt: skip
         """The object from the per-entry ``tables`` (``q_start, q_len, k_start, kv_len,
         mat_start, span_source, local_to_span, kv_source``; the last three read only where
-        ``identity`` / ``materialize`` make them meaningful), the layout flags, and the
-        attributes in ``rest``; the kernel sizes follow from the entries."""
+        ``identity`` / ``materialize`` make them meaningful; ``kv_source`` None: derived), the
+        layout flags, and the attributes in ``rest``; the kernel sizes follow from the
+        entries."""
         q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source = tables
         return cls(
             q_start=q_start,
@@ -495,9 +540,12 @@ class AttentionRuns(ReadOnlyTables):
             local_to_span=None if identity else local_to_span,
             query_rows=query_rows,
             materialize=materialize,
-            kv_source=kv_source if materialize else None,
+            _kv_source=kv_source if materialize else None,
             mat_rows=mat_rows,
-            slot_copies=slot_copies,
+            key_rows=int(kv_len.sum()),
+            entry_copy=entry_copy,
+            copies=copies,
+            slots_are_rows=slots_are_rows,
             keys_covered=keys_covered,
             work=work,
             **_kernel_sizes(q_len, kv_len, query_rows, mat_rows, shape_buckets),
@@ -564,10 +612,37 @@ class AttentionRuns(ReadOnlyTables):
         tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source)
         return cls._from_tables(
             tables, span_source is None, query_rows, kv_source is not None, mat_rows,
-            slot_copies=None, keys_covered=True, work=None, shape_buckets=shape_buckets,
+            entry_copy=None, copies=1, slots_are_rows=True, keys_covered=True, work=None,
+            shape_buckets=shape_buckets,
             plan=None, rank=None, rows=query_rows, num_keys=num_keys, compact_slots=None,
             slots=None, rows_covered=bool(rows_covered), causal=bool(causal),
         )  # fmt: skip
+
+    @property
+    def kv_source(self) -> Optional[torch.Tensor]:
+        """int64 ``[mat_rows]``: the compact key of each key-gradient row, -1 where no entry
+        writes (None unless ``materialize``); derived from the entries at first read unless
+        the call was given it."""
+        if self._kv_source is not None or not self.materialize:
+            return self._kv_source
+        if "kv_source" not in self._derived:
+            entries = (self.k_start, self.mat_start, self.kv_len, self.key_rows)
+            self._derived["kv_source"] = key_sources(*entries, self.mat_rows)
+        return self._derived["kv_source"]
+
+    @property
+    def slot_copies(self) -> Optional[torch.Tensor]:
+        """int64 ``[copies, slots]``: row ``j`` holds each slot's backward buffer row of its
+        key's copy ``j`` (-1: none); None when ``slots_are_rows``. Derived at first read (the
+        device derives its own, ``DeviceRuns.slot_copies``)."""
+        if self.slots_are_rows:
+            return None
+        if "slot_copies" not in self._derived:
+            self._derived["slot_copies"] = slot_copy_rows(
+                self.k_start, self.mat_start, self.kv_len, self.key_rows, self.entry_copy,
+                self.materialize, self.copies, self.compact_slots, self.slots, self.num_keys,
+            )  # fmt: skip
+        return self._derived["slot_copies"]
 
     def on(self, device: torch.device) -> DeviceRuns:
         """The device tables (built on first use per device, then shared by every layer)."""
@@ -622,7 +697,8 @@ class AttentionRuns(ReadOnlyTables):
 
     def backward_windows(self, max_rows: int) -> Tuple["AttentionRuns", ...]:
         """This call's backward as calls over windows of its buffers, or ``(self,)`` when its
-        query rows and key-gradient rows come to at most ``max_rows``.
+        query rows and key-gradient rows come to at most ``max_rows`` (or its entries span all
+        of them and form one window).
 
         A kernel's backward may size its accumulators by the rows its buffers span rather than
         by the rows its entries use (cuDNN: fp32 dQ for every query row and, with GQA, fp32
@@ -630,7 +706,8 @@ class AttentionRuns(ReadOnlyTables):
         gigabytes that the same entries cut into several calls do not. Entries taken in
         query-row order are grouped while the group's query-row window plus its key-gradient
         window (``mat_start`` rows, laid out in query-row order) stays within ``max_rows``; an
-        entry larger than that is a window of its own.
+        entry larger than that is a window of its own. One window narrower than the buffers
+        (entries that use a part of the compact keys) is still a window.
 
         Each window is a call whose ``window`` is ``(q_lo, q_hi, m_lo, m_hi)`` and whose tables
         count from ``q_lo`` and ``m_lo``: its backward is given the rows ``[q_lo, q_hi)`` of
@@ -645,7 +722,7 @@ class AttentionRuns(ReadOnlyTables):
         if key in self._derived:
             return self._derived[key]
         out = (self,)
-        if self.entries > 1 and self.query_rows + self.mat_rows > max_rows:
+        if self.entries and self.query_rows + self.mat_rows > max_rows:
             out = self._windows(int(max_rows))
         self._derived[key] = out
         return out
@@ -668,7 +745,7 @@ class AttentionRuns(ReadOnlyTables):
                 groups.append((members, (q_lo, q_hi, m_lo, m_hi)))
             members, q_lo, q_hi, m_lo, m_hi = [e], q_start[e], qe, m_start[e], me
         groups.append((members, (q_lo, q_hi, m_lo, m_hi)))
-        if len(groups) == 1:
+        if len(groups) == 1 and groups[0][1] == (0, self.query_rows, 0, self.mat_rows):
             return (self,)
         return tuple(self._window(sorted(members), window) for members, window in groups)
 
@@ -682,8 +759,9 @@ class AttentionRuns(ReadOnlyTables):
             self.mat_start[keep] - m_lo, None, None, None,
         )  # fmt: skip
         return self._from_tables(
-            tables, True, q_hi - q_lo, self.materialize, m_hi - m_lo, slot_copies=None,
-            keys_covered=False, work=None, shape_buckets=None, plan=self.plan, rank=self.rank,
+            tables, True, q_hi - q_lo, self.materialize, m_hi - m_lo, entry_copy=None,
+            copies=self.copies, slots_are_rows=True, keys_covered=False, work=None,
+            shape_buckets=None, plan=self.plan, rank=self.rank,
             rows=q_hi - q_lo, num_keys=self.num_keys, compact_slots=None, slots=self.slots,
             rows_covered=int(q_len.sum()) == q_hi - q_lo, causal=self.causal,
             window=(q_lo, q_hi, m_lo, m_hi),
@@ -695,11 +773,12 @@ class AttentionRuns(ReadOnlyTables):
         shift = key_shift[keep]
         tables = (
             self.q_start[keep], self.q_len[keep], self.k_start[keep] + shift, kv_len[keep],
-            self.mat_start[keep] + shift, self.span_source, self.local_to_span, self.kv_source,
+            self.mat_start[keep] + shift, self.span_source, self.local_to_span, self._kv_source,
         )  # fmt: skip
         return self._from_tables(
             tables, self.identity, self.query_rows, self.materialize, self.mat_rows,
-            slot_copies=self.slot_copies, keys_covered=self.keys_covered, work=None,
+            entry_copy=None, copies=self.copies, slots_are_rows=True,
+            keys_covered=self.keys_covered, work=None,
             shape_buckets=None, plan=self.plan, rank=self.rank, rows=self.rows,
             num_keys=self.num_keys, compact_slots=self.compact_slots, slots=self.slots,
             # Rows of entries left out of the call must read a zero query gradient.
@@ -720,14 +799,17 @@ class AttentionRuns(ReadOnlyTables):
         else:
             host = self._reference_call_tables()
         if call_only:
-            return dict(host, span_source=None, local_to_span=None, kv_source=None,
-                        compact_slots=None, slot_copies=None)  # fmt: skip
+            return dict(host, span_source=None, local_to_span=None, key_source=None,
+                        compact_slots=None, entry_copy=None)  # fmt: skip
+        entry_copy = self.entry_copy
+        if entry_copy is not None and self.batch > self.entries:
+            entry_copy = torch.cat([entry_copy, entry_copy.new_zeros(self.batch - self.entries)])
         host.update(
             span_source=self.span_source,
             local_to_span=self.local_to_span,
-            kv_source=self.kv_source,
+            key_source=self._kv_source,
             compact_slots=self.compact_slots,
-            slot_copies=self.slot_copies,
+            entry_copy=entry_copy,
         )
         return host
 
@@ -752,7 +834,7 @@ class AttentionRuns(ReadOnlyTables):
         parts = dict(parts)
         for name in INT32_TABLES:
             parts[name] = parts[name].view(-1, 1, 1, 1)
-        moved = DeviceRuns(**parts)
+        moved = DeviceRuns(**parts, runs=self)
         self._device[device] = moved
         return moved
 
@@ -793,8 +875,7 @@ def _native_tables(plan, rank, sequence, keys, padding_rows, merge_gap, longest_
     """``AttentionRuns.build``'s tables from the C++ builder (``run_tables``)."""
     return host_ops().run_tables(
         plan.local_positions(rank), keys.of_position, sequence.to(torch.int64).contiguous(),
-        keys.slots, keys.sequence, keys.sequence_start, padding_rows, merge_gap,
-        longest_first, plan.cp_size * plan.max_count, plan.slots_in_source_order,
+        keys.slots, keys.sequence, keys.sequence_start, padding_rows, merge_gap, longest_first,
     )  # fmt: skip
 
 
@@ -813,13 +894,18 @@ def _reference_tables(plan, rank, sequence, keys, padding_rows, merge_gap, longe
         q_start, q_len, lo, k_start, kv_len = (
             t[first] for t in (q_start, q_len, lo, k_start, kv_len)
         )
-    materialize, mat_start, mat_rows, kv_source = _key_rows(keys, lo, q_start, k_start, kv_len)
-    slot_copies = _slot_copies(plan, keys, kv_source if materialize else None)
+    entry_seq = keys.sequence[lo] if lo.numel() else lo
+    materialize = q_len.numel() > 1 and int(torch.unique(entry_seq).numel()) < q_len.numel()
+    if materialize:
+        mat_start, mat_rows, _ = _own_key_rows(q_start, k_start, kv_len)
+        entry_copy = _entry_copies(entry_seq, kv_len)
+    else:
+        mat_start, mat_rows, entry_copy = k_start, keys.count, torch.zeros_like(q_len)
+    copies = int(entry_copy.max()) + 1 if entry_copy.numel() else 1
     keys_covered = not materialize and _keys_covered(keys, k_start, kv_len)
-    tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source)
+    tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, entry_copy)
     work = int((compact - keys.sequence_start[compact] + 1).sum())
-    flags = (identity, query_rows, materialize, mat_rows, keys_covered, slot_copies.shape[0], work)
-    return tables + (slot_copies,), flags
+    return tables, (identity, query_rows, materialize, mat_rows, keys_covered, copies, work)
 
 
 def _spans(compact: torch.Tensor, seq: torch.Tensor, merge_gap: int) -> dict:
@@ -879,15 +965,15 @@ def _query_layout(compact: torch.Tensor, spans: dict, num_keys: int, padding_row
     return False, query_rows, q_start, span_len, span_lo, span_source, local_to_span
 
 
-def _key_rows(keys: CompactKeys, lo, q_start, k_start, kv_len):
-    """The backward's key-gradient rows: ``(materialize, mat_start, mat_rows, kv_source)``.
-    Entries of one sequence share keys, so when a sequence has two or more entries each entry
-    gets its own rows (``_own_key_rows``); else the compact keys."""
-    entries = int(kv_len.numel())
-    entry_seq = keys.sequence[lo] if entries else lo
-    if entries > 1 and int(torch.unique(entry_seq).numel()) < entries:
-        return (True,) + _own_key_rows(q_start, k_start, kv_len)
-    return False, k_start, keys.count, None
+def _entry_copies(entry_seq: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: each entry's rank by key count (longest first, then entry order) among
+    the entries of its sequence (``AttentionRuns.entry_copy``)."""
+    by_len = torch.argsort(kv_len, descending=True, stable=True)
+    order = by_len[torch.argsort(entry_seq[by_len], stable=True)]
+    rank = torch.arange(order.numel()) - _run_starts(entry_seq[order])
+    out = torch.empty_like(rank)
+    out[order] = rank
+    return out
 
 
 def _own_key_rows(q_start, k_start, kv_len):
@@ -905,15 +991,46 @@ def _own_key_rows(q_start, k_start, kv_len):
     return mat_start, mat_rows, torch.arange(mat_rows) - shift
 
 
-def _slot_copies(plan, keys: CompactKeys, kv_source: Optional[torch.Tensor]) -> torch.Tensor:
-    """int64 ``[copies, slots]``: row ``j`` names the backward buffer row of each all-gather
-    slot's ``j``-th key copy (-1: none); a slot's gradient is the sum of its copies."""
-    key_of_row = torch.arange(keys.count) if kv_source is None else kv_source
-    copy = copy_numbers(key_of_row)
-    copies = int(copy.max()) + 1 if copy.numel() else 1
-    slot_copies = torch.full((copies, plan.cp_size * plan.max_count), -1, dtype=torch.int64)
-    slot_copies[copy, keys.slots[key_of_row]] = torch.arange(key_of_row.numel())
-    return slot_copies
+def _key_gradient_rows(k_start, mat_start, kv_len, key_rows: int):
+    """``(row, key, entry)``, int64 ``[key_rows]`` each on the tables' device: for every
+    key-gradient row the entries write, the row, its compact key and its entry (entries with
+    no keys, such as padding entries, write none). No host synchronisation on a device."""
+    device = kv_len.device
+    entries = torch.arange(kv_len.numel(), device=device)
+    entry = torch.repeat_interleave(entries, kv_len, output_size=int(key_rows))
+    first = torch.cumsum(kv_len, 0) - kv_len
+    offset = torch.arange(int(key_rows), device=device) - first[entry]
+    return mat_start[entry] + offset, k_start[entry] + offset, entry
+
+
+def key_sources(k_start, mat_start, kv_len, key_rows: int, mat_rows: int) -> torch.Tensor:
+    """int64 ``[mat_rows]``: the compact key of each key-gradient row (-1: no entry writes it),
+    from the per-entry tables, on their device (``AttentionRuns.kv_source``)."""
+    row, key, _ = _key_gradient_rows(k_start, mat_start, kv_len, key_rows)
+    out = torch.full((int(mat_rows),), -1, dtype=torch.int64, device=kv_len.device)
+    out[row] = key
+    return out
+
+
+def slot_copy_rows(
+    k_start, mat_start, kv_len, key_rows: int, entry_copy, materialize: bool, copies: int,
+    compact_slots: Optional[torch.Tensor], slots: int, num_keys: int,
+) -> torch.Tensor:  # fmt: skip
+    """int64 ``[copies, slots]``: row ``j`` names each all-gather slot's backward buffer row of
+    its key's copy ``j`` (-1: none); a slot's gradient is the sum of its copies
+    (``AttentionRuns.slot_copies``). With ``materialize`` a row's copy is its entry's
+    ``entry_copy``; else the rows are the compact keys, one copy each. On the tables' device."""
+    device = kv_len.device
+    if materialize:
+        row, key, entry = _key_gradient_rows(k_start, mat_start, kv_len, key_rows)
+        copy = entry_copy[entry]
+    else:
+        row = key = torch.arange(int(num_keys), device=device)
+        copy = 0
+    slot = key if compact_slots is None else compact_slots[key]
+    out = torch.full((int(copies) * int(slots),), -1, dtype=torch.int64, device=device)
+    out[copy * int(slots) + slot] = row
+    return out.view(int(copies), int(slots))
 
 
 def _keys_covered(keys: CompactKeys, k_start, kv_len) -> bool:
