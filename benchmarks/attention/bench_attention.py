@@ -109,6 +109,21 @@ KERNEL_VARIANTS = (
     ("no-windows", {}, {"backward_workspace": None}),
     ("workspace-1GiB", {}, {"backward_workspace": 1 << 30}),
 )
+
+
+def kernel_variants(names):
+    """The ``KERNEL_VARIANTS`` that ``--kernel-variants`` names (None: none; "all")."""
+    if not names:
+        return ()
+    if names == "all":
+        return KERNEL_VARIANTS
+    known = {v[0]: v for v in KERNEL_VARIANTS}
+    unknown = set(names.split(",")) - set(known)
+    if unknown:
+        raise SystemExit(f"unknown kernel variants {sorted(unknown)}; known: {sorted(known)}")
+    return tuple(known[n] for n in names.split(","))
+
+
 THD_LENGTHS = (512, 6000, 1200, 3400, 2000, 4100, 700, 2524)  # sums to 20,436
 
 
@@ -550,8 +565,14 @@ def bench_case(
             # A kernel variant's memory on graphs of its own (the workspace follows the row
             # totals its graphs were built for; see cudnn._LARGEST_TOTALS).
             _attention_cudnn.reset_graphs()
-            other.ours(True, shared)
-            variant_memory[label] = extra_peak(lambda c=other, sh=shared: c.ours(True, sh), kept_b)
+            try:
+                other.ours(True, shared)
+                variant_memory[label] = extra_peak(
+                    lambda c=other, sh=shared: c.ours(True, sh), kept_b
+                )
+            except torch.OutOfMemoryError:
+                variant_memory[label] = "OOM"
+                torch.cuda.empty_cache()
     t = time_round_robin(fns, device, reps, 1)
     rows = slice(max(0, n - 256), n)
     with torch.no_grad():
@@ -858,8 +879,10 @@ def main():
     parser.add_argument("--block-variants", action="store_true", help="other blocked settings")
     parser.add_argument(
         "--kernel-variants",
-        action="store_true",
-        help="the cuDNN kernel's split, alignment and backward windows changed",
+        nargs="?",
+        const="all",
+        help="the cuDNN kernel's split, alignment and backward windows changed: all, or some of "
+        + ", ".join(v[0] for v in KERNEL_VARIANTS),
     )
     parser.add_argument("--no-graph-builds", action="store_true")
     parser.add_argument("--tables-only", action="store_true", help="only the per-batch tables")
@@ -900,7 +923,7 @@ def main():
                 with_dense=not long,
                 variants=(VARIANTS if args.variants else ())
                 + (BLOCK_VARIANTS if args.block_variants else ())
-                + (KERNEL_VARIANTS if args.kernel_variants else ()),
+                + kernel_variants(args.kernel_variants),
                 compare_layouts=args.compare_layouts,
             )
             results["rows"].append(row)
@@ -958,7 +981,8 @@ def main():
     if args.block_variants:
         cols += [f"{v[0]} {m} x" for v in BLOCK_VARIANTS for m in ("fwd", "fwd+bwd")]
     if args.kernel_variants:
-        cols += [f"{v[0]} {m}" for v in KERNEL_VARIANTS for m in ("fwd+bwd x", "extra GiB")]
+        chosen = kernel_variants(args.kernel_variants)
+        cols += [f"{v[0]} {m}" for v in chosen for m in ("fwd+bwd x", "extra GiB")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c, "-")) for c in cols) + " |")
