@@ -365,7 +365,7 @@ std::vector<double> run_cost(const at::Tensor& positions, const at::Tensor& of_p
 // first and, when it runs backward, each entry's own rows of key gradients.
 struct Call {
   Vec q_start, q_len, k_start, kv_len, mat_start;
-  at::Tensor kv_source = none(), span_source = none(), local_to_span = none();
+  at::Tensor span_source = none(), local_to_span = none();
   int64_t query_rows = 0, mat_rows = 0;
 
   void finish(bool backward, int64_t num_keys) {
@@ -386,28 +386,24 @@ struct Call {
       mat_rows = num_keys;
       return;
     }
+    // The compact key of each of these rows (kv_source) is made on the device from them.
     mat_start.resize(entries);
     mat_rows = lay_out_by_rows(q_start, kv_len, mat_start);
-    int64_t* src;
-    std::tie(kv_source, src) = alloc(mat_rows);
-    for (int64_t e = 0; e < entries; ++e) {
-      for (int64_t j = 0; j < kv_len[e]; ++j) src[mat_start[e] + j] = k_start[e] + j;
-    }
   }
 
   void append(std::vector<at::Tensor>& out) const {
     for (const Vec* v : {&q_start, &q_len, &k_start, &kv_len, &mat_start}) {
       out.push_back(tensor(*v));
     }
-    out.insert(out.end(), {kv_source, span_source, local_to_span});
+    out.insert(out.end(), {span_source, local_to_span});
   }
 };
 
 // The blocked layout of one rank's rows (AttentionBlocks.build). Returns the tensors
 //   order, local_to_sorted, has_bulk (empty: every group has bulk keys), slot_rows (empty when
-//   the slots are the compact keys), then 8 per call (q_start, q_len, k_start, kv_len,
-//   mat_start, kv_source, span_source, local_to_span) for the bulk call (when present), each
-//   diagonal call and each backward level call, then the sorted rows each level call touches;
+//   the slots are the compact keys), then 7 per call (q_start, q_len, k_start, kv_len,
+//   mat_start, span_source, local_to_span) for the bulk call (when present), each
+//   diagonal call and each backward level call;
 // and the ints
 //   groups, identity (the local rows are sorted), bulk present, diagonal calls, level calls,
 //   then per call (bulk, diagonal, levels) its query_rows and mat_rows, then per diagonal call
@@ -536,15 +532,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
   // j == i first, then one call per level of the pairs j < i.
   Vec piece_start(groups);
   for (int64_t g = 0; g < groups; ++g) piece_start[g] = index[g] == 0 ? start[g] : lo[g - 1];
-  std::vector<at::Tensor> touched;
+  int64_t levels = 0;
   auto level_call = [&](Call&& c) {
     c.query_rows = n;
     c.finish(true, num_keys);
-    const int64_t rows = std::accumulate(c.q_len.begin(), c.q_len.end(), int64_t{0});
-    auto [t, row] = alloc(rows);
-    for (size_t e = 0; e < c.q_len.size(); ++e)
-      for (int64_t j = 0; j < c.q_len[e]; ++j) *row++ = c.q_start[e] + j;
-    touched.push_back(t);
+    ++levels;
     calls.push_back(std::move(c));
   };
   {
@@ -582,13 +574,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
   }
   std::vector<at::Tensor> out = {tensor(order), tensor(local_to_sorted), tensor(has_bulk),
                                  tensor(slot_rows)};
-  std::vector<int64_t> meta = {groups, identity, any_bulk, diagonal,
-                               static_cast<int64_t>(touched.size())};
+  std::vector<int64_t> meta = {groups, identity, any_bulk, diagonal, levels};
   for (const Call& c : calls) {
     c.append(out);
     meta.push_back(c.query_rows), meta.push_back(c.mat_rows);
   }
-  out.insert(out.end(), touched.begin(), touched.end());
   meta.insert(meta.end(), diag_bounds.begin(), diag_bounds.end());
   return {out, meta};
 }

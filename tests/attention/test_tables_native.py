@@ -223,8 +223,10 @@ def test_device_tables_are_the_host_tables_in_one_copy():
                 assert moved.dtype == torch.int64 and torch.equal(moved, value), name
     dev = blocks.on("cpu")
     assert len(blocks.levels) > 1 and len(blocks.diagonal) > 1
-    for moved, host in zip(dev.touched, blocks.touched):
-        assert torch.equal(moved, host)
+    # A level call's rows, made on the device: its entries' query rows, entry by entry.
+    for call in blocks.levels:
+        rows = [q + j for q, n in zip(call.q_start.tolist(), call.q_len.tolist()) for j in range(n)]
+        assert call.on("cpu").entry_rows().tolist() == rows
     if blocks.has_bulk is not None:
         assert torch.equal(dev.has_bulk.flatten(), blocks.has_bulk)
 

@@ -74,7 +74,8 @@ class DeviceBlocks:
         slot_rows: int64 ``[slots]``, the compact key of each all-gather slot or -1 (None when
             the slots are the compact keys).
         compact_slots: int64 ``[N]``, the all-gather slot of each compact key (None likewise).
-        touched: per backward level call, int64 sorted rows of its entries.
+
+    A level call's sorted rows are its ``DeviceRuns.entry_rows()`` (made on the device).
     """
 
     order: Optional[torch.Tensor]
@@ -82,7 +83,6 @@ class DeviceBlocks:
     has_bulk: Optional[torch.Tensor]
     slot_rows: Optional[torch.Tensor]
     compact_slots: Optional[torch.Tensor]
-    touched: List[torch.Tensor]
 
 
 class AttentionBlocks(ReadOnlyTables):
@@ -104,7 +104,6 @@ class AttentionBlocks(ReadOnlyTables):
             ``span_source`` (the sorted row of each span row, -1 for a dummy) and
             ``local_to_span`` (the span row of each of the sorted rows ``[first, end)`` it holds).
         levels: the backward's bulk calls (unmasked), pieces ``j == i`` first.
-        touched: per level call, int64 sorted rows of its entries.
     """
 
     @classmethod
@@ -166,7 +165,6 @@ class AttentionBlocks(ReadOnlyTables):
             has_bulk=has_bulk,
             diagonal=diagonal,
             levels=levels,
-            touched=[_touched_rows(c) for c in levels],
         )
 
     @classmethod
@@ -184,14 +182,14 @@ class AttentionBlocks(ReadOnlyTables):
         bounds = meta[5 + 2 * n_calls :]
         calls = []
         for c in range(n_calls):
-            q_start, q_len, k_start, kv_len, mat_start, kv_source, span_source, to_span = tensors[
-                4 + 8 * c : 12 + 8 * c
+            q_start, q_len, k_start, kv_len, mat_start, span_source, to_span = tensors[
+                4 + 7 * c : 11 + 7 * c
             ]
             diagonal = has_bulk_call <= c < has_bulk_call + n_diagonal
             bulk = c < has_bulk_call
             calls.append(
                 AttentionRuns.from_layout(
-                    q_start, q_len, k_start, kv_len, mat_start, None if bulk else kv_source,
+                    q_start, q_len, k_start, kv_len, mat_start, backward=not bulk,
                     query_rows=sizes[2 * c], mat_rows=sizes[2 * c + 1], num_keys=keys.count,
                     causal=diagonal, span_source=span_source if diagonal else None,
                     local_to_span=to_span if diagonal else None,
@@ -216,7 +214,6 @@ class AttentionBlocks(ReadOnlyTables):
             has_bulk=has_bulk.bool() if has_bulk.numel() else None,
             diagonal=diagonal,
             levels=calls[has_bulk_call + n_diagonal :],
-            touched=list(tensors[4 + 8 * n_calls :]),
         )
 
     def on(self, device: torch.device) -> DeviceBlocks:
@@ -233,19 +230,16 @@ class AttentionBlocks(ReadOnlyTables):
                 "slot_rows": self.slot_rows,
                 "compact_slots": self.compact_slots,
             }
-            touched = {str(i): t for i, t in enumerate(self.touched)}
             calls = self.calls()
             # One host-to-device copy for the blocks' tables and every call's.
-            moved, moved_touched, *per_call = to_device(
-                [host, touched] + [c._host_tables() for c in calls], device, INT32_TABLES
+            moved, *per_call = to_device(
+                [host] + [c._host_tables() for c in calls], device, INT32_TABLES
             )
             for call, parts in zip(calls, per_call):
                 call._adopt(device, parts)
             if moved["has_bulk"] is not None:
                 moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
-            out = DeviceBlocks(
-                touched=[moved_touched[str(i)] for i in range(len(touched))], **moved
-            )
+            out = DeviceBlocks(**moved)
         self._device[device] = out
         return out
 
@@ -403,13 +397,6 @@ def _row_tables(plan, keys: CompactKeys, order: torch.Tensor) -> dict:
         slot_rows=slot_rows,
         compact_slots=compact_slots,
     )
-
-
-def _touched_rows(c: AttentionRuns) -> torch.Tensor:
-    """int64, the sorted rows of a level call's entries (its query rows in entry order)."""
-    ends = torch.cumsum(c.q_len, 0)
-    shift = torch.repeat_interleave(c.q_start - (ends - c.q_len), c.q_len)
-    return torch.arange(int(ends[-1])) + shift
 
 
 def _run_cost(plan, rank: int, sequence: torch.Tensor, keys: CompactKeys) -> Tuple[float, int]:

@@ -244,8 +244,9 @@ class _BlockedAttention(torch.autograd.Function):
             )  # fmt: skip
             dq[first:end] += row_ops.gather_rows(dq_span, cd.local_to_span)
             sums.add_key_rows(dkv, cd.kv_source, dkv_call)
-        for call, rows in zip(blocks.levels, dev.touched):
+        for call in blocks.levels:
             cd = call.on(q.device)
+            rows = cd.entry_rows()
             dq_call, dkv_call = _call_backward(
                 kernel, q, _keys_for(call, kv, kernel), o, do, lse, call, cd, *args
             )

@@ -370,6 +370,16 @@ class DeviceRuns:
             )  # fmt: skip
         return out
 
+    def entry_rows(self) -> torch.Tensor:
+        """int64 ``[sum of q_len]``: the query-buffer rows of the entries, entry by entry (made
+        on the device at first use)."""
+        out = self._offsets.get("entry_rows")
+        if out is None:
+            q_len = self.seq_len_q.view(-1).to(torch.int64)
+            entry, offset = _spread(q_len, int(self.runs.q_len.sum()))
+            out = self._offsets["entry_rows"] = self.q_rows[:-1][entry] + offset
+        return out
+
     def _entries(self):
         """``(k_start, mat_start, kv_len, key_rows)`` of the padded entries (padding entries
         have no keys), ``key_rows`` their key total."""
@@ -592,26 +602,27 @@ class AttentionRuns(ReadOnlyTables):
             first = torch.argsort(kv_len, descending=True, stable=True)
             q_start, q_len, k_start, kv_len = (t[first] for t in (q_start, q_len, k_start, kv_len))
         if backward:
-            mat_start, mat_rows, kv_source = _own_key_rows(q_start, k_start, kv_len)
+            mat_start, mat_rows = _own_key_rows(q_start, kv_len)
         else:
-            mat_start, mat_rows, kv_source = k_start, num_keys, None
+            mat_start, mat_rows = k_start, num_keys
         return cls.from_layout(
-            q_start, q_len, k_start, kv_len, mat_start, kv_source, query_rows=query_rows,
+            q_start, q_len, k_start, kv_len, mat_start, backward=backward, query_rows=query_rows,
             mat_rows=mat_rows, num_keys=num_keys, causal=causal, span_source=span_source,
             local_to_span=local_to_span, rows_covered=rows_covered, shape_buckets=shape_buckets,
         )  # fmt: skip
 
     @classmethod
     def from_layout(
-        cls, q_start, q_len, k_start, kv_len, mat_start, kv_source, *, query_rows, mat_rows,
+        cls, q_start, q_len, k_start, kv_len, mat_start, *, backward, query_rows, mat_rows,
         num_keys, causal, span_source, local_to_span, rows_covered, shape_buckets,
     ) -> "AttentionRuns":  # fmt: skip
         """One kernel call of entries already ordered and laid out (``from_entries``'s, or a
-        builder's that did both): ``kv_source`` names the compact key of each backward key row
-        (None: forward only, key rows at ``k_start``)."""
-        tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source)
+        builder's that did both): with ``backward`` each entry has its own key-gradient rows
+        at ``mat_start`` (``kv_source`` derived from them), else key rows are at ``k_start``
+        (forward only)."""
+        tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, None)
         return cls._from_tables(
-            tables, span_source is None, query_rows, kv_source is not None, mat_rows,
+            tables, span_source is None, query_rows, bool(backward), mat_rows,
             entry_copy=None, copies=1, slots_are_rows=True, keys_covered=True, work=None,
             shape_buckets=shape_buckets,
             plan=None, rank=None, rows=query_rows, num_keys=num_keys, compact_slots=None,
@@ -897,7 +908,7 @@ def _reference_tables(plan, rank, sequence, keys, padding_rows, merge_gap, longe
     entry_seq = keys.sequence[lo] if lo.numel() else lo
     materialize = q_len.numel() > 1 and int(torch.unique(entry_seq).numel()) < q_len.numel()
     if materialize:
-        mat_start, mat_rows, _ = _own_key_rows(q_start, k_start, kv_len)
+        mat_start, mat_rows = _own_key_rows(q_start, kv_len)
         entry_copy = _entry_copies(entry_seq, kv_len)
     else:
         mat_start, mat_rows, entry_copy = k_start, keys.count, torch.zeros_like(q_len)
@@ -976,30 +987,35 @@ def _entry_copies(entry_seq: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor
     return out
 
 
-def _own_key_rows(q_start, k_start, kv_len):
-    """Each entry's own key-gradient rows: ``(mat_start, mat_rows, kv_source)``, ``kv_source``
-    the compact key of each row. Packed in the order of the entries' query rows, not the
-    kernel's entry order: entries with neighbouring query rows then have neighbouring
-    key-gradient rows, and a backward cut into windows of both
+def _own_key_rows(q_start, kv_len):
+    """Each entry's own key-gradient rows: ``(mat_start, mat_rows)``. Packed in the order of
+    the entries' query rows, not the kernel's entry order: entries with neighbouring query rows
+    then have neighbouring key-gradient rows, and a backward cut into windows of both
     (``AttentionRuns.backward_windows``) gets narrow windows."""
     order = ascending_order(q_start)
     packed = torch.cumsum(kv_len[order], 0) - kv_len[order]
     mat_start = torch.empty_like(kv_len)
     mat_start[order] = packed
-    mat_rows = int(kv_len.sum())
-    shift = torch.repeat_interleave((mat_start - k_start)[order], kv_len[order])
-    return mat_start, mat_rows, torch.arange(mat_rows) - shift
+    return mat_start, int(kv_len.sum())
+
+
+def _spread(lengths: torch.Tensor, total: int):
+    """``(entry, offset)``, int64 ``[total]`` each on the device of ``lengths`` (``total`` their
+    sum): each row of entries of these lengths, laid end to end, as its entry and its offset
+    in it. No host synchronisation on a device."""
+    device = lengths.device
+    entry = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=device), lengths, output_size=int(total)
+    )
+    first = torch.cumsum(lengths, 0) - lengths
+    return entry, torch.arange(int(total), device=device) - first[entry]
 
 
 def _key_gradient_rows(k_start, mat_start, kv_len, key_rows: int):
     """``(row, key, entry)``, int64 ``[key_rows]`` each on the tables' device: for every
     key-gradient row the entries write, the row, its compact key and its entry (entries with
-    no keys, such as padding entries, write none). No host synchronisation on a device."""
-    device = kv_len.device
-    entries = torch.arange(kv_len.numel(), device=device)
-    entry = torch.repeat_interleave(entries, kv_len, output_size=int(key_rows))
-    first = torch.cumsum(kv_len, 0) - kv_len
-    offset = torch.arange(int(key_rows), device=device) - first[entry]
+    no keys, such as padding entries, write none)."""
+    entry, offset = _spread(kv_len, key_rows)
     return mat_start[entry] + offset, k_start[entry] + offset, entry
 
 
