@@ -106,7 +106,7 @@ class CudnnOptions:
     square_top_left: bool = True
     split_backward: bool = True
     split_margin: float = SPLIT_MARGIN
-    backward_workspace: Optional[int] = 1 << 29
+    backward_workspace: Optional[int] = 1 << 30
 
 
 def diagonal(runs, options: CudnnOptions) -> Optional[str]:
