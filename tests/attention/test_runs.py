@@ -475,6 +475,15 @@ def test_backward_graphs_are_sized_for_the_largest_totals_so_far(monkeypatch):
     assert kernel.backward_totals("a", 100, 250) == ((100, 300), True)  # a's first is too small
     assert kernel.backward_totals("a", 60, 220) == ((100, 300), False)
     assert kernel.backward_totals("a", 60, 180) == ((100, 200), False)  # the smallest that holds
+    # Under a cap of 300 rows (a window budget), a call within it gets no graph above it.
+    monkeypatch.setattr(kernel, "_TOTALS", {})
+    monkeypatch.setattr(kernel, "_LARGEST_TOTALS", [4000, 8000])  # a big call ran before
+    assert kernel.backward_totals("c", 40, 60, 300) == ((40, 60), True)
+    assert kernel.backward_totals("c", 30, 60, 300) == ((40, 60), False)
+    assert kernel.backward_totals("c", 50, 60, None) == ((4000, 8000), True)
+    assert kernel.backward_totals("c", 45, 60, 300) == ((45, 60), True)  # not the uncapped one
+    # A call larger than the cap (an entry no window can cut) gets a graph of its own size.
+    assert kernel.backward_totals("c", 200, 500, 300) == ((200, 500), True)
 
 
 def test_the_causal_diagonal_of_a_call():

@@ -106,7 +106,7 @@ class CudnnOptions:
     square_top_left: bool = True
     split_backward: bool = True
     split_margin: float = SPLIT_MARGIN
-    backward_workspace: Optional[int] = 1 << 30
+    backward_workspace: Optional[int] = 3 << 28
 
 
 def diagonal(runs, options: CudnnOptions) -> Optional[str]:
@@ -337,18 +337,29 @@ def _key_total(total: int, heads: int, groups: int, options: CudnnOptions) -> in
     return int(total)
 
 
-def backward_totals(key: tuple, total_q: int, total_mat: int) -> Tuple[Tuple[int, int], bool]:
+def backward_totals(
+    key: tuple, total_q: int, total_mat: int, cap: Optional[int] = None
+) -> Tuple[Tuple[int, int], bool]:
     """The row totals of the backward graph that serves a call of ``key`` needing
     ``(total_q, total_mat)``, and whether that graph is new: the smallest recorded for ``key``
     that holds them, else (recorded now) the process's largest totals so far, raised to
-    these."""
+    these. With ``cap`` (query plus key-gradient rows, ``CudnnKernel.backward_window_rows``)
+    no graph beyond the cap (or beyond the call, for a call larger than the cap) serves it, and
+    a new one is sized for the call alone where the largest totals would pass that: else every
+    later window's workspace would be sized by the largest call the process has run."""
     with _LOCK:
-        fits = [t for t in _TOTALS.get(key, ()) if t[0] >= total_q and t[1] >= total_mat]
+        limit = None if cap is None else max(int(cap), total_q + total_mat)
+        fits = [
+            t for t in _TOTALS.get(key, ())
+            if t[0] >= total_q and t[1] >= total_mat and (limit is None or sum(t) <= limit)
+        ]  # fmt: skip
         if fits:
             return min(fits), False
         largest = _LARGEST_TOTALS
         largest[:] = max(largest[0], total_q), max(largest[1], total_mat)
         totals = (largest[0], largest[1])
+        if limit is not None and sum(totals) > limit:
+            totals = (total_q, total_mat)
         _TOTALS.setdefault(key, []).append(totals)
         return totals, True
 
@@ -481,7 +492,8 @@ class CudnnKernel:
         handle = _handle(q.device)
         # The row totals only size the backward's accumulators: a graph built for larger totals
         # serves this batch, so batches of new lengths reuse the graphs they fit.
-        totals, _ = backward_totals(key, runs.total_q, runs.total_mat)
+        cap = self.backward_window_rows(heads, dim)
+        totals, _ = backward_totals(key, runs.total_q, runs.total_mat, cap)
         g, ws = _graph(
             key + totals,
             lambda: _backward_graph(
