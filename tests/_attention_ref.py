@@ -86,7 +86,7 @@ class ReferenceKernel:
         dq = torch.zeros_like(q)
         # Rows no entry writes stay zero, as the cuDNN kernel's zero-initialised buffers do
         # (or keep what an earlier call of a split backward wrote there).
-        dkv = kv.new_zeros((2, runs.mat_rows, groups, d)) if dkv_out is None else dkv_out
+        dkv = cls.key_gradients(kv, runs) if dkv_out is None else dkv_out
         copies = runs.materialize and not cls.shared_keys_in_backward
         for e in range(runs.entries):
             qs, ql = int(runs.q_start[e]), int(runs.q_len[e])

@@ -676,7 +676,7 @@ def test_the_split_calls_travel_with_the_call():
     dev = runs.on(torch.device("cpu"))
     for part in (prefix, diagonal):
         pdev = part._device[torch.device("cpu")]
-        assert pdev.span_source is None and pdev.key_source is None and pdev.entry_copy is None
+        assert pdev.span_source is None and pdev.entry_copy is None
         assert torch.equal(pdev.seq_len_q.flatten()[: part.entries], part.q_len.to(torch.int32))
         assert torch.equal(pdev.kv_rows.flatten()[: part.entries], part.k_start)
     assert torch.equal(dev.seq_len_kv.flatten()[: runs.entries], runs.kv_len.to(torch.int32))

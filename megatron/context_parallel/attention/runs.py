@@ -325,7 +325,6 @@ class DeviceRuns:
         kv_rows: int64 ``[batch + 1]``, first compact key row of each entry (forward).
         mat_rows: int64 ``[batch + 1]``, first row of each entry in the backward's key buffer.
         span_source / local_to_span / compact_slots: as on ``AttentionRuns``.
-        key_source: the ``kv_source`` a call was given (``from_entries``), else None.
         entry_copy: int64 ``[batch]``, each entry's copy number (``AttentionRuns.entry_copy``;
             0 for padding entries), or None.
         runs: the host tables these came from (their sizes and flags).
@@ -338,7 +337,6 @@ class DeviceRuns:
     mat_rows: torch.Tensor
     span_source: Optional[torch.Tensor]
     local_to_span: Optional[torch.Tensor]
-    key_source: Optional[torch.Tensor]
     compact_slots: Optional[torch.Tensor]
     entry_copy: Optional[torch.Tensor]
     runs: "AttentionRuns" = field(repr=False)
@@ -347,9 +345,9 @@ class DeviceRuns:
     @property
     def kv_source(self) -> Optional[torch.Tensor]:
         """int64 ``[mat_rows]`` on the device, as ``AttentionRuns.kv_source`` (derived from the
-        per-entry tables at first use unless the call was given it)."""
-        if self.key_source is not None or not self.runs.materialize:
-            return self.key_source
+        per-entry tables at first use)."""
+        if not self.runs.materialize:
+            return None
         out = self._offsets.get("kv_source")
         if out is None:
             out = self._offsets["kv_source"] = key_sources(*self._entries(), self.runs.mat_rows)
@@ -445,7 +443,7 @@ class AttentionRuns(ReadOnlyTables):
         materialize: entries overlap, so each gets its own rows of key gradients.
         kv_source: int64 ``[mat_rows]``, the compact key of each of those rows (-1: a row no
             entry writes; None unless ``materialize``). A property: derived from the per-entry
-            tables at first read unless the call was given it (``from_entries``).
+            tables at first read.
         mat_rows: rows of the backward's key gradients (``num_keys`` unless ``materialize``).
         key_rows: the entries' key total (``kv_len.sum()``).
         compact_slots: int64 ``[N]``, the all-gather slot of each compact key, or None when the
@@ -518,7 +516,7 @@ class AttentionRuns(ReadOnlyTables):
         slots = plan.cp_size * plan.max_count
         identity, query_rows, materialize, mat_rows, keys_covered, n_copies, work = flags
         return cls._from_tables(
-            (*tables[:7], None), bool(identity), query_rows, bool(materialize), mat_rows,
+            tuple(tables[:7]), bool(identity), query_rows, bool(materialize), mat_rows,
             entry_copy=tables[7] if materialize else None, copies=int(n_copies),
             slots_are_rows=not materialize and plan.slots_in_source_order,
             keys_covered=bool(keys_covered), work=work, shape_buckets=shape_buckets,
@@ -533,11 +531,10 @@ class AttentionRuns(ReadOnlyTables):
         slots_are_rows, keys_covered, work, shape_buckets, **rest,
     ) -> "AttentionRuns":  # fmt: skip
         """The object from the per-entry ``tables`` (``q_start, q_len, k_start, kv_len,
-        mat_start, span_source, local_to_span, kv_source``; the last three read only where
-        ``identity`` / ``materialize`` make them meaningful; ``kv_source`` None: derived), the
-        layout flags, and the attributes in ``rest``; the kernel sizes follow from the
-        entries."""
-        q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, kv_source = tables
+        mat_start, span_source, local_to_span``; the last two read only where ``identity`` makes
+        them meaningful), the layout flags, and the attributes in ``rest``; the kernel sizes
+        follow from the entries."""
+        q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span = tables
         return cls(
             q_start=q_start,
             q_len=q_len,
@@ -550,7 +547,6 @@ class AttentionRuns(ReadOnlyTables):
             local_to_span=None if identity else local_to_span,
             query_rows=query_rows,
             materialize=materialize,
-            _kv_source=kv_source if materialize else None,
             mat_rows=mat_rows,
             key_rows=int(kv_len.sum()),
             entry_copy=entry_copy,
@@ -620,7 +616,7 @@ class AttentionRuns(ReadOnlyTables):
         builder's that did both): with ``backward`` each entry has its own key-gradient rows
         at ``mat_start`` (``kv_source`` derived from them), else key rows are at ``k_start``
         (forward only)."""
-        tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, None)
+        tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span)
         return cls._from_tables(
             tables, span_source is None, query_rows, bool(backward), mat_rows,
             entry_copy=None, copies=1, slots_are_rows=True, keys_covered=True, work=None,
@@ -632,10 +628,9 @@ class AttentionRuns(ReadOnlyTables):
     @property
     def kv_source(self) -> Optional[torch.Tensor]:
         """int64 ``[mat_rows]``: the compact key of each key-gradient row, -1 where no entry
-        writes (None unless ``materialize``); derived from the entries at first read unless
-        the call was given it."""
-        if self._kv_source is not None or not self.materialize:
-            return self._kv_source
+        writes (None unless ``materialize``); derived from the entries at first read."""
+        if not self.materialize:
+            return None
         if "kv_source" not in self._derived:
             entries = (self.k_start, self.mat_start, self.kv_len, self.key_rows)
             self._derived["kv_source"] = key_sources(*entries, self.mat_rows)
@@ -767,7 +762,7 @@ class AttentionRuns(ReadOnlyTables):
         q_len = self.q_len[keep]
         tables = (
             self.q_start[keep] - q_lo, q_len, self.k_start[keep], self.kv_len[keep],
-            self.mat_start[keep] - m_lo, None, None, None,
+            self.mat_start[keep] - m_lo, None, None,
         )  # fmt: skip
         return self._from_tables(
             tables, True, q_hi - q_lo, self.materialize, m_hi - m_lo, entry_copy=None,
@@ -784,7 +779,7 @@ class AttentionRuns(ReadOnlyTables):
         shift = key_shift[keep]
         tables = (
             self.q_start[keep], self.q_len[keep], self.k_start[keep] + shift, kv_len[keep],
-            self.mat_start[keep] + shift, self.span_source, self.local_to_span, self._kv_source,
+            self.mat_start[keep] + shift, self.span_source, self.local_to_span,
         )  # fmt: skip
         return self._from_tables(
             tables, self.identity, self.query_rows, self.materialize, self.mat_rows,
@@ -810,15 +805,14 @@ class AttentionRuns(ReadOnlyTables):
         else:
             host = self._reference_call_tables()
         if call_only:
-            return dict(host, span_source=None, local_to_span=None, key_source=None,
-                        compact_slots=None, entry_copy=None)  # fmt: skip
+            return dict(host, span_source=None, local_to_span=None, compact_slots=None,
+                        entry_copy=None)  # fmt: skip
         entry_copy = self.entry_copy
         if entry_copy is not None and self.batch > self.entries:
             entry_copy = torch.cat([entry_copy, entry_copy.new_zeros(self.batch - self.entries)])
         host.update(
             span_source=self.span_source,
             local_to_span=self.local_to_span,
-            key_source=self._kv_source,
             compact_slots=self.compact_slots,
             entry_copy=entry_copy,
         )
@@ -858,7 +852,7 @@ class AttentionRuns(ReadOnlyTables):
 
 # --- one rank's entries: the C++ builder, and the torch ops that define it ----------------------
 # Both return ``run_tables``' layout: the per-entry tables ``(q_start, q_len, k_start, kv_len,
-# mat_start, span_source, local_to_span, kv_source, slot_copies)`` and the flags ``(identity,
+# mat_start, span_source, local_to_span, entry_copy)`` and the flags ``(identity,
 # query_rows, materialize, mat_rows, keys_covered, copies, work)``.
 
 
