@@ -24,6 +24,7 @@ root on ``sys.path`` itself, so it runs from any directory.
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -264,6 +265,9 @@ def extra_peak_bytes(
         if peak is None:
             return None
     else:
+        # Tensors held only by reference cycles of earlier calls would otherwise be freed by the
+        # collector during the call and drop below the base (a negative peak was read so).
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)

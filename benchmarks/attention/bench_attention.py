@@ -92,11 +92,17 @@ VARIANTS = (
     ("copies", {}, False),
 )
 # Blocked-layout settings, for --block-variants.
-# Larger groups: on run plans a group is a range of one run, its diagonal a square the
-# backward runs at the floor with the diagonal top-left, its bulk an unmasked prefix.
+# Other groups: larger ones mean fewer backward level calls, and on run plans a group is a range
+# of one run, its diagonal a square the backward runs at the floor with the diagonal top-left,
+# its bulk an unmasked prefix. Other span budgets: smaller ones bound the diagonal calls' span
+# buffers (query, output and their gradients over the span rows) at the cost of more calls.
 BLOCK_VARIANTS = (
+    ("groups-256", {"layout": "blocks", "group_rows": 256}, True),
     ("groups-1024", {"layout": "blocks", "group_rows": 1024}, True),
     ("groups-4096", {"layout": "blocks", "group_rows": 4096}, True),
+    ("span-4096", {"layout": "blocks", "span_budget": 4096}, True),
+    ("span-8192", {"layout": "blocks", "span_budget": 8192}, True),
+    ("span-32768", {"layout": "blocks", "span_budget": 32768}, True),
 )
 # Kernel settings, for --kernel-variants (each timed and its extra memory measured): the
 # backward of causal calls unsplit or split at a lower margin, every causal diagonal
@@ -562,18 +568,15 @@ def bench_case(
             continue
         fns[f"{label} fwd"] = lambda c=other, sh=shared: c.ours(False, sh)
         fns[f"{label} fwd+bwd"] = lambda c=other, sh=shared: c.ours(True, sh)
-        if isinstance(shared, dict):
-            # A kernel variant's memory on graphs of its own (the workspace follows the row
-            # totals its graphs were built for; see cudnn._LARGEST_TOTALS).
-            _attention_cudnn.reset_graphs()
-            try:
-                other.ours(True, shared)
-                variant_memory[label] = extra_peak(
-                    lambda c=other, sh=shared: c.ours(True, sh), kept_b
-                )
-            except torch.OutOfMemoryError:
-                variant_memory[label] = "OOM"
-                torch.cuda.empty_cache()
+        # A variant's memory on graphs of its own (the workspace follows the row totals its
+        # graphs were built for; see cudnn._LARGEST_TOTALS).
+        _attention_cudnn.reset_graphs()
+        try:
+            other.ours(True, shared)
+            variant_memory[label] = extra_peak(lambda c=other, sh=shared: c.ours(True, sh), kept_b)
+        except torch.OutOfMemoryError:
+            variant_memory[label] = "OOM"
+            torch.cuda.empty_cache()
     t = time_round_robin(fns, device, reps, 1)
     rows = slice(max(0, n - 256), n)
     with torch.no_grad():
@@ -980,7 +983,7 @@ def main():
     if args.compare_layouts:
         cols += ["tables", "runs fwd x", "runs fwd+bwd x", "blocks fwd x", "blocks fwd+bwd x"]
     if args.block_variants:
-        cols += [f"{v[0]} {m} x" for v in BLOCK_VARIANTS for m in ("fwd", "fwd+bwd")]
+        cols += [f"{v[0]} {m}" for v in BLOCK_VARIANTS for m in ("fwd+bwd x", "extra GiB")]
     if args.kernel_variants:
         chosen = kernel_variants(args.kernel_variants)
         cols += [f"{v[0]} {m}" for v in chosen for m in ("fwd+bwd x", "extra GiB")]
