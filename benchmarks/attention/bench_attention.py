@@ -327,6 +327,12 @@ def tree_share(tree):
     return tree.seq_len, pairs / (tree.seq_len * (tree.seq_len + 1) / 2)
 
 
+# GPU milliseconds each timed call of the floor and of ours starts behind (--lead-ms): the host
+# queues the call's launches while the GPU spins, as a training step's host runs ahead of the
+# layers before, so the times are the GPU's alone (0: the host's launch gaps count too).
+LEAD_MS = [0.0]
+
+
 # --- memory ----------------------------------------------------------------------------------
 
 
@@ -342,7 +348,7 @@ def _sdpa_times(n, reps, device):
     """(fwd ms, fwd+bwd ms, extra GiB fwd+bwd) of cuDNN causal SDPA over one sequence of ``n``
     tokens."""
     fwd, both, grads, kept = causal_sdpa_calls(n, HEADS, GROUPS, DIM, torch.bfloat16, device)
-    t = time_round_robin({"fwd": fwd, "both": both}, device, reps, 1)
+    t = time_round_robin({"fwd": fwd, "both": both}, device, reps, 1, lead_ms=LEAD_MS[0])
     # The floor's own extra memory, counted as ours is: beyond its inputs, output and gradients.
     return t["fwd"], t["both"], extra_peak(grads, kept)
 
@@ -577,7 +583,7 @@ def bench_case(
         except torch.OutOfMemoryError:
             variant_memory[label] = "OOM"
             torch.cuda.empty_cache()
-    t = time_round_robin(fns, device, reps, 1)
+    t = time_round_robin(fns, device, reps, 1, lead_ms=LEAD_MS[0])
     rows = slice(max(0, n - 256), n)
     with torch.no_grad():
         got = case.ours(False)[rows].float()
@@ -848,6 +854,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="20436,131072")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--lead-ms",
+        type=float,
+        default=0.0,
+        help="time the floor and ours behind this much GPU spinning (the GPU's time alone)",
+    )
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--flex-long", action="store_true", help="FlexAttention at S > 32k too")
     parser.add_argument("--model", action="store_true")
@@ -892,6 +904,7 @@ def main():
     parser.add_argument("--tables-only", action="store_true", help="only the per-batch tables")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    LEAD_MS[0] = args.lead_ms
     wanted = [c for c in args.cases.split(",") if c]
     trees = tree_cases(args.tree_batches) if args.tree else []
 
