@@ -1,0 +1,112 @@
+"""How long the host takes to queue one fused attention call, and where that time goes.
+
+``bench_attention.py`` times a call from a CUDA event recorded when the call starts, so the
+host's work before the first kernel launch counts as the call's time unless the GPU is still
+busy (``--lead-ms``). This probe measures that host work directly for named cases: the wall
+time of the forward and of the forward+backward while the GPU spins far ahead (so no launch
+waits on the GPU), the cuDNN kernel's share of it (``g.execute`` calls, wrapped and timed), and
+a ``cProfile`` of the calls' Python, heaviest functions first.
+
+Usage: python benchmarks/probes/probe_attention_host.py [--cases zigzag_cp2,random_rows_cp2]
+       [--size 20436] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "attention"))
+
+from bench_attention import Case, named_cases  # noqa: E402
+from timing import gpu_sleep  # noqa: E402
+
+from megatron.context_parallel.attention import cudnn as cudnn_kernel  # noqa: E402
+
+
+class _ExecuteClock:
+    """Wraps every cuDNN graph's ``execute`` to add up its host time."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+
+    def wrap(self):
+        for key, (graph, ws) in list(cudnn_kernel._GRAPHS.items()):
+            if getattr(graph, "_timed", False):
+                continue
+            cudnn_kernel._GRAPHS[key] = (_TimedGraph(graph, self), ws)
+
+
+class _TimedGraph:
+    _timed = True
+
+    def __init__(self, graph, clock):
+        self._graph, self._clock = graph, clock
+
+    def execute(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._graph.execute(*args, **kwargs)
+        self._clock.seconds += time.perf_counter() - t0
+        self._clock.calls += 1
+        return out
+
+
+def _host_ms(fn, reps, clock):
+    """Median host ms of ``fn()`` behind GPU spinning, and the cuDNN execute ms per call."""
+    times, execute = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        gpu_sleep(200.0)
+        before = clock.seconds
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        execute.append((clock.seconds - before) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times), statistics.median(execute)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="zigzag_cp2,packed_cut_1seq_cp4,random_rows_cp2")
+    ap.add_argument("--size", type=int, default=20436)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
+        case = Case(plan, rank, cu, device)
+        case.ours(True)
+        clock = _ExecuteClock()
+        clock.wrap()
+        fwd, fwd_exec = _host_ms(lambda c=case: c.ours(False), args.reps, clock)
+        both, both_exec = _host_ms(lambda c=case: c.ours(True), args.reps, clock)
+        print(
+            f"{name} S={args.size}: host ms fwd {fwd:.3f} (cuDNN execute {fwd_exec:.3f}), "
+            f"fwd+bwd {both:.3f} (cuDNN execute {both_exec:.3f}); {case.runs.describe()}",
+            flush=True,
+        )
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        gpu_sleep(2000.0)
+        prof.enable()
+        for _ in range(10):
+            case.ours(True)
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        print(text.getvalue(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
