@@ -12,6 +12,8 @@ sequence up to its own.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from megatron.context_parallel.attention.runs import SPLIT_MARGIN
@@ -144,6 +146,47 @@ class WindowedSplitSharedKeysReferenceKernel(SplitSharedKeysReferenceKernel):
     rows."""
 
     window_rows = 24
+
+
+class FreedBuffersReferenceKernel(ReferenceKernel):
+    """The reference kernel, checking at each backward call that the previous call's buffers
+    are freed: the gradients it returned (other than a ``dkv_out`` it was given) and the inputs
+    its caller made for it. A buffer of the current call's inputs, or one in ``keep`` (the
+    forward's saved tensors, the incoming gradient), may stay. On a GPU a call's workspace on
+    top of whatever is still alive is the backward's peak memory.
+
+    One instance serves one backward pass; ``calls`` counts its backward calls."""
+
+    def __init__(self, keep=()):
+        self.keep = {_storage(t) for t in keep}
+        self.previous = []
+        self.calls = 0
+
+    def backward(self, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None):
+        given = (q, kv, o, do, stats) + (() if dkv_out is None else (dkv_out,))
+        current = {_storage(t) for t in given}
+        for name, ref, storage in self.previous:
+            if ref() is not None and storage not in current and storage not in self.keep:
+                raise AssertionError(
+                    f"backward call {self.calls}: the previous call's {name} is alive"
+                )
+        dq, dkv = super().backward(q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out)
+        tracked = {"q": q, "o": o, "do": do, "stats": stats, "dq": dq}
+        if dkv_out is None:
+            tracked["dkv"] = dkv
+        self.previous = [(n, weakref.ref(t), _storage(t)) for n, t in tracked.items()]
+        self.calls += 1
+        return dq, dkv
+
+
+class FreedBuffersWindowedReferenceKernel(FreedBuffersReferenceKernel):
+    """The same, every backward call cut into windows of at most 24 rows."""
+
+    window_rows = 24
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 # Every kernel contract the fused path supports: key copies or shared key ranges, one backward

@@ -16,6 +16,8 @@ import pytest
 import torch
 from _attention_ref import (
     REFERENCE_KERNELS,
+    FreedBuffersReferenceKernel,
+    FreedBuffersWindowedReferenceKernel,
     ReferenceKernel,
     SharedKeysReferenceKernel,
     oracle_attention,
@@ -232,6 +234,40 @@ def test_blocked_tables_and_the_layout_choice():
     assert choose_layout(_runs(half, 0), blocks) == "blocks"
     zig = ContextParallelPlan.zigzag(seq_len, 2)
     assert choose_layout(_runs(zig, 0), AttentionBlocks.build(zig, 0, seq)) == "runs"
+
+
+def _backward_keeping(tables, kernel, heads=4, groups=2, dim=8):
+    """One fused fwd+bwd on ``tables`` whose kernel may keep only the forward's saved tensors
+    and the incoming gradient across its backward calls; the number of calls."""
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(tables.rows, heads, dim, generator=g, dtype=torch.float64)
+    kv = torch.randn(tables.slots, groups, 2 * dim, generator=g, dtype=torch.float64)
+    out = fused_attention(
+        query.requires_grad_(), kv.requires_grad_(), tables, dim**-0.5, kernel=kernel
+    )
+    grad = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    kernel.keep = {t.untyped_storage().data_ptr() for t in (*out.grad_fn.saved_tensors, grad)}
+    out.backward(grad)
+    return kernel.calls
+
+
+@pytest.mark.parametrize(
+    "kernel", [FreedBuffersReferenceKernel, FreedBuffersWindowedReferenceKernel]
+)
+def test_the_blocked_backward_frees_each_calls_buffers(kernel):
+    """No diagonal call's span buffers and no call's gradients outlive it (names still bound
+    kept the last diagonal's span alive through every level call): on a GPU one call's
+    workspace on top of whatever is alive is the backward's peak."""
+    seq_len = 512
+    g = torch.Generator().manual_seed(3)
+    perm = torch.randperm(seq_len, generator=g)
+    shards = [perm[: seq_len // 2].sort().values, perm[seq_len // 2 :].sort().values]
+    plan = ContextParallelPlan.from_rank_positions(shards, seq_len)
+    seq = torch.zeros(seq_len, dtype=torch.int64)
+    blocks = AttentionBlocks.build(plan, 0, seq, group_rows=16, span_budget=64)
+    assert len(blocks.diagonal) > 2 and len(blocks.levels) > 2
+    calls = _backward_keeping(blocks, kernel())
+    assert calls >= len(blocks.diagonal) + len(blocks.levels)
 
 
 @pytest.mark.parametrize("plan_kind", ["zigzag", "random half"])
