@@ -1,0 +1,92 @@
+"""The fused attention's peak memory on the CPU, with a kernel that allocates what cuDNN's does.
+
+``ShapeKernel`` computes nothing: its forward returns output and statistics buffers, and its
+backward allocates, for the length of the call, the workspace cuDNN's GQA backward sizes by the
+rows its buffers span (fp32 dQ for every query row, per-query-head dK / dV for every
+key-gradient row at two bytes an element, ``CudnnOptions.exact_key_workspace``; the statistics
+padded per entry, twice) before returning its gradients. The peak of one forward+backward is
+read as ``bench_attention.py`` reads it on a GPU (``timing.extra_peak_bytes``: on the CPU the
+profiler's allocation events), beyond the query, keys and their gradients, output and its
+gradient. It models where the blocked and run layouts' peak lies (which buffers are alive
+during which call) without a GPU; the GPU's own numbers are in RESULTS.md.
+
+Usage: python benchmarks/probes/probe_backward_memory.py [--cases random_rows_cp2,...]
+       [--size 20436]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "attention"))
+
+from bench_attention import DIM, GROUPS, HEADS, _sequence, named_cases  # noqa: E402
+from timing import GiB, extra_peak_bytes  # noqa: E402
+
+from megatron.context_parallel.attention.blocks import build_attention_tables  # noqa: E402
+from megatron.context_parallel.attention.fused import fused_attention  # noqa: E402
+
+
+class ShapeKernel:
+    """An ``AttentionKernel`` that allocates like cuDNN's and computes nothing."""
+
+    shared_keys_in_backward = True
+    split_backward = True
+    split_margin = 1.10
+
+    def __init__(self, workspace_rows=39321):
+        self.workspace_rows = workspace_rows
+
+    def backward_window_rows(self, heads, dim):
+        return self.workspace_rows
+
+    @staticmethod
+    def key_gradients(kv, runs):
+        return kv.new_zeros((2, runs.mat_rows, kv.shape[1], kv.shape[2] // 2))
+
+    @staticmethod
+    def forward(q, kv, runs, dev, scale, want_stats):
+        stats = torch.zeros(q.shape[:2], dtype=torch.float32) if want_stats else None
+        return torch.zeros_like(q), stats
+
+    def backward(self, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None):
+        heads, dim = q.shape[1], q.shape[2]
+        rows = runs.total_q + runs.total_mat
+        padded = runs.batch * runs.max_q * heads * 4
+        workspace = torch.empty(rows * 4 * heads * dim + 2 * padded, dtype=torch.uint8)
+        dq = torch.zeros_like(q)
+        dkv = self.key_gradients(kv, runs) if dkv_out is None else dkv_out
+        del workspace
+        return dq, dkv
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="random_rows_cp2,block_shuffled_64_cp4,zigzag_cp2")
+    ap.add_argument("--size", type=int, default=20436)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
+        tables = build_attention_tables(plan, rank, _sequence(plan.seq_len, cu))
+        n = plan.counts[rank]
+        query = torch.zeros(n, HEADS, DIM, dtype=torch.bfloat16)
+        kv = torch.zeros(tables.slots, GROUPS, 2 * DIM, dtype=torch.bfloat16)
+        grad = torch.zeros(n, HEADS, DIM, dtype=torch.bfloat16)
+
+        def step(query=query, kv=kv, tables=tables, grad=grad):
+            q, k = query.detach().requires_grad_(), kv.detach().requires_grad_()
+            fused_attention(q, k, tables, DIM**-0.5, kernel=ShapeKernel()).backward(grad)
+
+        step()
+        kept = 2 * query.numel() * 2 + kv.numel() * 2  # output and its gradient, dK / dV
+        peak = extra_peak_bytes(step, torch.device("cpu"), kept)
+        print(f"{name} S={args.size}: {tables.describe()}; modelled extra {peak / GiB:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
