@@ -102,6 +102,25 @@ def test_probe_rectangles_reads_the_run_plans_on_the_cpu():
     assert all(apart <= whole for whole, apart in ratios.values()) and len(ratios) >= 4, out
 
 
+def test_probe_backward_memory_models_the_peaks_on_the_cpu():
+    # The modelled peak of the run tables and of the blocked layout, both positive and read.
+    out = _run(
+        [
+            "benchmarks/probes/probe_backward_memory.py",
+            "--size",
+            "4096",
+            "--cases",
+            "zigzag_cp2,random_rows_cp2",
+        ]
+    )
+    peaks = [
+        float(line.split("modelled extra ")[1].split()[0])
+        for line in out.splitlines()
+        if "modelled extra " in line
+    ]
+    assert len(peaks) == 2 and all(p > 0 for p in peaks), out
+
+
 def test_bench_attention_tables_only_on_the_cpu():
     # Every case's tables build and copy on the CPU, by the C++ builders and the torch ops: the
     # default cases, every named plan kind (issue 44) and the GRPO trees (tiny ones here).
