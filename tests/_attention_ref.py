@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from megatron.context_parallel.attention.fused import fused_attention
 from megatron.context_parallel.attention.runs import SPLIT_MARGIN
 
 
@@ -155,10 +156,11 @@ class FreedBuffersReferenceKernel(ReferenceKernel):
     forward's saved tensors, the incoming gradient), may stay. On a GPU a call's workspace on
     top of whatever is still alive is the backward's peak memory.
 
-    One instance serves one backward pass; ``calls`` counts its backward calls."""
+    One instance serves one backward pass (``backward_keeping``); ``calls`` counts its backward
+    calls."""
 
-    def __init__(self, keep=()):
-        self.keep = {_storage(t) for t in keep}
+    def __init__(self):
+        self.keep = set()
         self.previous = []
         self.calls = 0
 
@@ -187,6 +189,22 @@ class FreedBuffersWindowedReferenceKernel(FreedBuffersReferenceKernel):
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def backward_keeping(tables, kernel, heads=4, groups=2, dim=8):
+    """One fused fwd+bwd (float64, seeded inputs) on ``tables`` with a
+    ``FreedBuffersReferenceKernel`` that may keep only the forward's saved tensors and the
+    incoming gradient across its backward calls; returns the number of backward calls."""
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(tables.rows, heads, dim, generator=g, dtype=torch.float64)
+    kv = torch.randn(tables.slots, groups, 2 * dim, generator=g, dtype=torch.float64)
+    out = fused_attention(
+        query.requires_grad_(), kv.requires_grad_(), tables, dim**-0.5, kernel=kernel
+    )
+    grad = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    kernel.keep = {_storage(t) for t in (*out.grad_fn.saved_tensors, grad)}
+    out.backward(grad)
+    return kernel.calls
 
 
 # Every kernel contract the fused path supports: key copies or shared key ranges, one backward

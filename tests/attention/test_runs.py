@@ -20,6 +20,7 @@ from _attention_ref import (
     FreedBuffersWindowedReferenceKernel,
     ReferenceKernel,
     SharedKeysReferenceKernel,
+    backward_keeping,
     oracle_attention,
 )
 from _dist import run_distributed
@@ -236,21 +237,6 @@ def test_blocked_tables_and_the_layout_choice():
     assert choose_layout(_runs(zig, 0), AttentionBlocks.build(zig, 0, seq)) == "runs"
 
 
-def _backward_keeping(tables, kernel, heads=4, groups=2, dim=8):
-    """One fused fwd+bwd on ``tables`` whose kernel may keep only the forward's saved tensors
-    and the incoming gradient across its backward calls; the number of calls."""
-    g = torch.Generator().manual_seed(5)
-    query = torch.randn(tables.rows, heads, dim, generator=g, dtype=torch.float64)
-    kv = torch.randn(tables.slots, groups, 2 * dim, generator=g, dtype=torch.float64)
-    out = fused_attention(
-        query.requires_grad_(), kv.requires_grad_(), tables, dim**-0.5, kernel=kernel
-    )
-    grad = torch.randn(out.shape, generator=g, dtype=out.dtype)
-    kernel.keep = {t.untyped_storage().data_ptr() for t in (*out.grad_fn.saved_tensors, grad)}
-    out.backward(grad)
-    return kernel.calls
-
-
 @pytest.mark.parametrize(
     "kernel", [FreedBuffersReferenceKernel, FreedBuffersWindowedReferenceKernel]
 )
@@ -266,7 +252,7 @@ def test_the_blocked_backward_frees_each_calls_buffers(kernel):
     seq = torch.zeros(seq_len, dtype=torch.int64)
     blocks = AttentionBlocks.build(plan, 0, seq, group_rows=16, span_budget=64)
     assert len(blocks.diagonal) > 2 and len(blocks.levels) > 2
-    calls = _backward_keeping(blocks, kernel())
+    calls = backward_keeping(blocks, kernel())
     assert calls >= len(blocks.diagonal) + len(blocks.levels)
 
 

@@ -17,6 +17,7 @@ from _attention_ref import (
     FreedBuffersReferenceKernel,
     FreedBuffersWindowedReferenceKernel,
     ReferenceKernel,
+    backward_keeping,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -180,13 +181,4 @@ def test_the_tree_backward_frees_each_calls_buffers(kernel):
     plan = _random_plan(torch.Generator().manual_seed(7), DEEP.seq_len, 2, False, False)
     tables = TreeTables.build(plan, 0, DEEP)
     assert len(tables.levels) > 1 and not tables.own.identity
-    k = kernel()
-    heads, groups, dim = 4, 2, 8
-    g = torch.Generator().manual_seed(5)
-    query = torch.randn(tables.rows, heads, dim, generator=g, dtype=torch.float64)
-    kv = torch.randn(tables.slots, groups, 2 * dim, generator=g, dtype=torch.float64)
-    out = fused_attention(query.requires_grad_(), kv.requires_grad_(), tables, dim**-0.5, kernel=k)
-    grad = torch.randn(out.shape, generator=g, dtype=out.dtype)
-    k.keep = {t.untyped_storage().data_ptr() for t in (*out.grad_fn.saved_tensors, grad)}
-    out.backward(grad)
-    assert k.calls >= 1 + len(tables.levels)
+    assert backward_keeping(tables, kernel()) >= 1 + len(tables.levels)

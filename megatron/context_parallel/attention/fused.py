@@ -241,8 +241,7 @@ class _BlockedAttention(torch.autograd.Function):
         # buffers of the inputs' type: groups' diagonals are disjoint ranges of sorted rows and
         # of compact keys, so each row and key has at most one diagonal term, written rather
         # than summed, and the fp32 accumulators of the level calls' sums are only allocated
-        # once the span buffers are gone (modelled at S = 20,436: 1.57 -> 1.39 GiB for random
-        # rows, 1.32 -> 1.09 for 64-row shuffled blocks; probes/probe_backward_memory.py).
+        # once the span buffers are gone.
         dq_d = torch.zeros_like(q)
         dkv_d = torch.zeros_like(kv)
         for call, first, end in blocks.diagonal:
