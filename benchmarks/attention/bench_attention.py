@@ -102,6 +102,7 @@ BLOCK_VARIANTS = (
     ("groups-4096", {"layout": "blocks", "group_rows": 4096}, True),
     ("span-4096", {"layout": "blocks", "span_budget": 4096}, True),
     ("span-8192", {"layout": "blocks", "span_budget": 8192}, True),
+    ("span-16384", {"layout": "blocks", "span_budget": 16384}, True),
     ("span-32768", {"layout": "blocks", "span_budget": 32768}, True),
 )
 # Kernel settings, for --kernel-variants (each timed and its extra memory measured): the

@@ -74,6 +74,36 @@ std::vector<at::Tensor> compact_keys(const at::Tensor& row_source, const at::Ten
   return {slots, of_position, key_seq, key_start};
 }
 
+// Calls of consecutive items (at least one each, in order) that packing greedily up to
+// `budget` makes.
+int64_t greedy_calls(const Vec& size, int64_t budget) {
+  int64_t calls = 0, total = 0;
+  for (size_t i = 0; i < size.size(); ++i) {
+    if (i == 0 || total + size[i] > budget) {
+      ++calls;
+      total = 0;
+    }
+    total += size[i];
+  }
+  return calls;
+}
+
+// The smallest budget <= `budget` under which greedy packing makes no more calls than under
+// `budget`: the same calls, the largest as small as consecutive calls allow.
+int64_t balanced_budget(const Vec& size, int64_t budget) {
+  const int64_t calls = greedy_calls(size, budget);
+  int64_t lo = 1, hi = std::max<int64_t>(budget, 1);
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (greedy_calls(size, mid) <= calls) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
 // One past the last compact key of each key's sequence.
 Vec sequence_ends(const int64_t* key_seq, int64_t n) {
   Vec end(n);
@@ -497,13 +527,17 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
     c.finish(false, num_keys);
     calls.push_back(std::move(c));
   }
-  // Diagonal spans, at most span_budget span rows a call (at least one group).
+  // Diagonal spans, at most span_budget span rows a call (at least one group), balanced:
+  // packed in as few calls as the budget allows, under the smallest budget that still does.
+  Vec span(groups);
+  for (int64_t g = 0; g < groups; ++g) span[g] = hi[g] - lo[g] + 1;
+  const int64_t budget = balanced_budget(span, span_budget);
   Vec diag_bounds;
   int64_t diagonal = 0;
   for (int64_t g = 0; g < groups;) {
     int64_t e = g, total = 0;
-    while (e < groups && (e == g || total + hi[e] - lo[e] + 1 <= span_budget)) {
-      total += hi[e] - lo[e] + 1;
+    while (e < groups && (e == g || total + span[e] <= budget)) {
+      total += span[e];
       ++e;
     }
     Call c;

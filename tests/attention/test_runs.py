@@ -11,6 +11,7 @@ are owned by nobody, empty ranks, and the reduce-scatter of dK / dV over a CP gr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ from megatron.context_parallel.attention import cudnn
 from megatron.context_parallel.attention import runs as attention_runs
 from megatron.context_parallel.attention.blocks import (
     AttentionBlocks,
+    _balanced_budget,
+    _greedy_calls,
     build_attention_tables,
     choose_layout,
 )
@@ -196,7 +199,7 @@ def test_named_plans_match_the_oracle(plan_kind):
     packed=st.booleans(),
     unowned=st.sampled_from([0.0, 0.2]),
     group_rows=st.sampled_from([1, 2, 3, 5]),
-    span_budget=st.sampled_from([1, 7, 10**6]),
+    span_budget=st.sampled_from([None, 1, 7, 10**6]),
     kernel=st.sampled_from(REFERENCE_KERNELS),
 )
 def test_blocked_layout_matches_the_oracle(
@@ -224,7 +227,7 @@ def test_blocked_tables_and_the_layout_choice():
     theirs = torch.cat([torch.tensor([0]), perm[seq_len // 2 - 1 :]])
     half = ContextParallelPlan.from_rank_positions([mine, theirs], seq_len)
     seq = torch.zeros(seq_len, dtype=torch.int64)
-    blocks = AttentionBlocks.build(half, 0, seq)
+    blocks = AttentionBlocks.build(half, 0, seq, span_budget=10**6)
     assert blocks.groups == seq_len // 2 // 128 and len(blocks.diagonal) == 1
     assert blocks.order is not None  # rows in random order: sorted through a gather
     # 16 groups: the pieces j == i, then levels of 8, 4, 2 and 1 entries.
@@ -254,6 +257,55 @@ def test_the_blocked_backward_frees_each_calls_buffers(kernel):
     assert len(blocks.diagonal) > 2 and len(blocks.levels) > 2
     calls = backward_keeping(blocks, kernel())
     assert calls >= len(blocks.diagonal) + len(blocks.levels)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C++", "torch"])
+def test_diagonal_spans_stay_within_the_ranks_rows_by_default(monkeypatch, native):
+    """By default no diagonal call's span (its query buffer: the rank's rows and the dummies
+    between them) holds more rows than the rank has, where a group allows it: the level calls'
+    buffers cover the rank's rows, so a larger span would set the backward's peak; an explicit
+    budget is taken as given."""
+    if not native:
+        monkeypatch.setattr(_extension, "host_tables", lambda: None)
+    seq_len = 4096
+    perm = torch.randperm(seq_len, generator=torch.Generator().manual_seed(5))
+    plan = ContextParallelPlan.from_rank_positions(
+        [perm[: seq_len // 4].sort().values, perm[seq_len // 4 :].sort().values], seq_len
+    )
+    seq = torch.zeros(seq_len, dtype=torch.int64)
+    for rank in range(2):
+        rows = plan.counts[rank]
+        blocks = AttentionBlocks.build(plan, rank, seq, group_rows=16)
+        spans = [call.query_rows for call, _, _ in blocks.diagonal]
+        group_span = max(int(call.q_len.max()) for call, _, _ in blocks.diagonal)
+        assert max(spans) <= max(rows, group_span), (rank, rows, spans)
+        whole = AttentionBlocks.build(plan, rank, seq, group_rows=16, span_budget=10**6)
+        assert len(whole.diagonal) == 1
+        if rank == 0:  # 1,024 rows scattered over ~4,096 keys: the cap splits the span
+            assert len(blocks.diagonal) > 1 and whole.diagonal[0][0].query_rows > rows
+        # Balanced: the calls' spans differ by less than a group's, not a full call and a tail.
+        assert max(spans) - min(spans) <= group_span, spans
+
+
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=9), budget=st.integers(1, 40))
+@settings(max_examples=300, deadline=None)
+def test_diagonal_calls_are_balanced(sizes, budget):
+    """The balanced budget packs consecutive groups in as many calls as a greedy fill under the
+    budget, none larger than the budget, with the largest call as small as any split of the
+    groups into that many consecutive calls allows (all splits enumerated)."""
+    calls = _greedy_calls(sizes, budget)
+    balanced = _balanced_budget(sizes, budget)
+    assert balanced <= max(budget, 1) and _greedy_calls(sizes, balanced) == calls
+    best = min(
+        max(sum(sizes[a:b]) for a, b in zip((0,) + cut, cut + (len(sizes),)))
+        for cut in itertools.combinations(range(1, len(sizes)), calls - 1)
+    )
+    packed = []
+    for size in sizes:  # the greedy fill, as the builders make the calls
+        if not packed or packed[-1] + size > balanced:
+            packed.append(0)
+        packed[-1] += size
+    assert len(packed) == calls and max(packed) == best
 
 
 @pytest.mark.parametrize("plan_kind", ["zigzag", "random half"])

@@ -99,7 +99,7 @@ def test_run_tables_equal_the_reference(
     packed=st.booleans(),
     unowned=st.sampled_from([0.0, 0.2]),
     group_rows=st.sampled_from([1, 2, 3, 5, 128]),
-    span_budget=st.sampled_from([1, 7, 10**6]),
+    span_budget=st.sampled_from([None, 1, 7, 10**6]),
 )
 def test_block_tables_equal_the_reference(
     seed, cp, seq_len, packed, unowned, group_rows, span_budget

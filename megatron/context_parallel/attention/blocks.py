@@ -14,8 +14,9 @@ keys ``lo_g`` and ``hi_g`` of a sequence starting at ``s``, attends
   dummies cost a few percent of the bulk.
 
 Forward: one call of every group's bulk (groups share key prefixes, which the forward only
-reads) and calls of diagonal spans (at most ``span_budget`` span rows each, bounding the span
-buffers); the two partial results merge by their log-sum-exp.
+reads) and calls of diagonal spans (at most ``span_budget`` span rows each, by default no more
+than the rank's rows, bounding the span buffers; balanced over as few calls as that allows); the
+two partial results merge by their log-sum-exp.
 
 Backward: every piece is differentiated against the *final* output and log-sum-exp, so pieces
 add. The kernel writes each entry's key gradients whole, so one call must not hold two entries
@@ -59,7 +60,11 @@ DEFAULT_GROUP_ROWS = KERNEL_TILE  # the bulk entries fill whole tiles
 # The blocked layout is chosen when the run tables' tiles would compute over this many times its
 # work (or the rows' own causal work): its merge and gradient sums cost a few percent.
 LAYOUT_MARGIN = 1.15
-DEFAULT_SPAN_BUDGET = 16384  # span rows per diagonal call (H200: 4096 cost 7% at S = 131,072)
+# Span rows per diagonal call, at most (H200: 4096 cost 7% at S = 131,072). By default a call's
+# span is also kept within the rank's own rows: the level calls' buffers cover those rows, so a
+# larger span would raise the backward's peak above theirs (random rows at 20,436 over CP 2:
+# one span of 16,384 rows beside ~10,300 rows held the peak).
+DEFAULT_SPAN_BUDGET = 16384
 
 
 @dataclass
@@ -115,7 +120,7 @@ class AttentionBlocks(ReadOnlyTables):
         sequence: torch.Tensor,
         *,
         group_rows: int = DEFAULT_GROUP_ROWS,
-        span_budget: int = DEFAULT_SPAN_BUDGET,
+        span_budget: Optional[int] = None,
         shape_buckets: Optional[int] = None,
         keys: Optional[CompactKeys] = None,
     ) -> "AttentionBlocks":
@@ -126,7 +131,8 @@ class AttentionBlocks(ReadOnlyTables):
             rank: this rank's index in the plan.
             sequence: int64 ``[seq_len]`` (CPU), the packed sequence of each source position.
             group_rows: sorted rows per group (a multiple of the kernel's query tile).
-            span_budget: span rows per diagonal call (a call holds at least one group).
+            span_budget: span rows per diagonal call (a call holds at least one group); by
+                default ``DEFAULT_SPAN_BUDGET`` or the rank's rows, whichever is fewer.
             shape_buckets: as in ``AttentionRuns.build``.
             keys: ``CompactKeys(plan, sequence)`` when the caller has it already.
         """
@@ -135,6 +141,8 @@ class AttentionBlocks(ReadOnlyTables):
         n = int(positions.numel())
         if n == 0:
             raise ValueError(f"rank {rank} owns no positions; the blocked layout needs rows")
+        if span_budget is None:
+            span_budget = min(DEFAULT_SPAN_BUDGET, n)
         if host_ops() is not None:
             return cls._native_build(plan, rank, keys, group_rows, span_budget, shape_buckets)
         compact = keys.of_position[positions]
@@ -311,16 +319,41 @@ def _bulk_call(call, groups: _Groups) -> Tuple[Optional[AttentionRuns], Optional
     return bulk, has_bulk
 
 
+def _greedy_calls(sizes: List[int], budget: int) -> int:
+    """Calls of consecutive items (at least one each) that packing greedily up to ``budget``
+    makes."""
+    calls = total = 0
+    for i, size in enumerate(sizes):
+        if i == 0 or total + size > budget:
+            calls, total = calls + 1, 0
+        total += size
+    return calls
+
+
+def _balanced_budget(sizes: List[int], budget: int) -> int:
+    """The smallest budget <= ``budget`` under which greedy packing makes no more calls than
+    under ``budget``: as many calls, the largest as small as consecutive calls allow (a greedy
+    fill would leave a small last call beside full ones)."""
+    calls = _greedy_calls(sizes, budget)
+    lo, hi = 1, max(budget, 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _greedy_calls(sizes, mid) <= calls else (mid + 1, hi)
+    return lo
+
+
 def _diagonal_calls(call, groups: _Groups, sorted_compact, sorted_of_key, span_budget: int):
     """The causal calls of the groups' diagonal spans, at most ``span_budget`` span rows each
-    (at least one group): ``(call, first sorted row, end)`` per call."""
+    (at least one group), balanced (``_balanced_budget``): ``(call, first sorted row, end)``
+    per call."""
     first, length, lo = groups.first, groups.length, groups.lo
     span = groups.hi - lo + 1
+    budget = _balanced_budget(span.tolist(), span_budget)
     diagonal = []
     g = 0
     while g < first.numel():
         # Groups g .. e - 1 (at least one) whose spans fit the budget together.
-        fit = torch.searchsorted(torch.cumsum(span[g:], 0), span_budget, right=True)
+        fit = torch.searchsorted(torch.cumsum(span[g:], 0), budget, right=True)
         e = g + max(int(fit), 1)
         s_len = span[g:e]
         s_start = torch.cumsum(s_len, 0) - s_len
