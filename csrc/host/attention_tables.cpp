@@ -104,15 +104,6 @@ int64_t balanced_budget(const Vec& size, int64_t budget) {
   return lo;
 }
 
-// One past the last compact key of each key's sequence.
-Vec sequence_ends(const int64_t* key_seq, int64_t n) {
-  Vec end(n);
-  for (int64_t k = n - 1; k >= 0; --k) {
-    end[k] = (k + 1 < n && key_seq[k + 1] == key_seq[k]) ? end[k + 1] : k + 1;
-  }
-  return end;
-}
-
 // Packs each entry's key-gradient rows in the order of its query rows (not the kernel's entry
 // order), so that entries with neighbouring query rows have neighbouring key-gradient rows and
 // a backward cut into windows of both (AttentionRuns.backward_windows) gets narrow windows.
@@ -150,23 +141,37 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   const int64_t num_keys = key_slots.numel();
   const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
 
-  Vec compact(n), local_of_key(num_keys, -1);
+  Vec compact(n);
   int64_t work = 0;
+  bool ascending = true;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = pos[i];
     TORCH_CHECK(p >= 0 && p < of_position.numel(), "run_tables: position ", p, " out of range");
     compact[i] = of[p];
-    TORCH_CHECK(compact[i] >= 0 && compact[i] < num_keys && local_of_key[compact[i]] < 0,
-                "run_tables: local position ", p, " is not an owned position of its own");
-    local_of_key[compact[i]] = i;
+    TORCH_CHECK(compact[i] >= 0 && compact[i] < num_keys, "run_tables: local position ", p,
+                " is not an owned position of its own");
     work += compact[i] - kstart[compact[i]] + 1;
+    ascending = ascending && (i == 0 || compact[i] > compact[i - 1]);
   }
-  // The rank's keys in ascending order (a counting pass: compact keys are distinct).
-  Vec sorted;
-  sorted.reserve(n);
-  for (int64_t k = 0; k < num_keys; ++k) {
-    if (local_of_key[k] >= 0) sorted.push_back(k);
+  // The rank's keys in ascending order. Rows that come so (run plans) are their own order, and
+  // the local row of sorted key i is i: no pass over all the keys. Otherwise a counting pass
+  // (compact keys are distinct) through the local row of each key.
+  Vec sorted, local_of_key;
+  if (ascending) {
+    sorted = compact;
+  } else {
+    local_of_key.assign(num_keys, -1);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(local_of_key[compact[i]] < 0, "run_tables: local position ", pos[i],
+                  " is not an owned position of its own");
+      local_of_key[compact[i]] = i;
+    }
+    sorted.reserve(n);
+    for (int64_t k = 0; k < num_keys; ++k) {
+      if (local_of_key[k] >= 0) sorted.push_back(k);
+    }
   }
+  auto local_of_sorted = [&](int64_t i) { return ascending ? i : local_of_key[sorted[i]]; };
   // Spans: sorted keys of one sequence closer than the merge gap.
   Vec span_lo, span_len, span_first;
   span_lo.reserve(n), span_len.reserve(n), span_first.reserve(n);
@@ -212,17 +217,19 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
     int64_t* to_span;
     std::tie(span_source, source) = alloc(span_rows);
     std::tie(local_to_span, to_span) = alloc(n);
+    // Span rows of keys the rank does not own are dummies (-1); the sorted keys of span s are
+    // its owned ones.
+    std::fill(source, source + span_rows, -1);
     int64_t row = 0;
     for (int64_t s = 0; s < spans; ++s) {
       q_start[s] = row;
-      for (int64_t j = 0; j < span_len[s]; ++j) source[row + j] = local_of_key[span_lo[s] + j];
-      row += span_len[s];
-    }
-    for (int64_t s = 0; s < spans; ++s) {
       const int64_t end = s + 1 < spans ? span_first[s + 1] : n;
       for (int64_t i = span_first[s]; i < end; ++i) {
-        to_span[local_of_key[sorted[i]]] = sorted[i] - span_lo[s] + q_start[s];
+        const int64_t local = local_of_sorted(i), at = row + sorted[i] - span_lo[s];
+        source[at] = local;
+        to_span[local] = at;
       }
+      row += span_len[s];
     }
   }
   const int64_t entries = static_cast<int64_t>(q_len.size());
@@ -276,17 +283,20 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
     }
   }
   // Without copies, a key past the rank's last row of its sequence is attended by no entry.
+  // Every entry starts at its sequence's first key, and without copies no two share one, so
+  // the keys are covered when every sequence's entry reaches that sequence's end: counted by
+  // binary searches of the (non-decreasing) key sequences, not a pass over the keys.
   bool keys_covered = false;
   if (entries > 0 && !materialize) {
-    const Vec seq_end = sequence_ends(kseq, num_keys);
-    Vec ends(num_keys, 0);
-    for (int64_t e = 0; e < entries; ++e) ends[k_start[e]] = k_start[e] + kv_len[e];
-    keys_covered = true;
-    int64_t running = 0;
-    for (int64_t k = 0; k < num_keys && keys_covered; ++k) {
-      running = std::max(running, ends[k]);
-      keys_covered = running == seq_end[k];
+    const int64_t* kend = kseq + num_keys;
+    int64_t sequences = 0;
+    for (const int64_t* k = kseq; k != kend; k = std::upper_bound(k, kend, *k)) ++sequences;
+    int64_t whole = 0;
+    for (int64_t e = 0; e < entries; ++e) {
+      const int64_t end = std::upper_bound(kseq + k_start[e], kend, kseq[k_start[e]]) - kseq;
+      whole += k_start[e] + kv_len[e] == end;
     }
+    keys_covered = whole == sequences;
   }
   std::vector<at::Tensor> out = {tensor(q_start), tensor(q_len),     tensor(k_start),
                                  tensor(kv_len),  tensor(mat_start),   span_source,
