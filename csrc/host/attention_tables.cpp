@@ -57,14 +57,27 @@ std::vector<at::Tensor> compact_keys(const at::Tensor& row_source, const at::Ten
               sequence.numel(), " sequence ids");
   int64_t count = 0;
   for (int64_t p = 0; p < s_len; ++p) count += src[p] >= 0;
+  if (count == s_len) {
+    // Every position owned (no padding): the compact keys are the positions themselves, and
+    // only the sequence starts need a pass.
+    at::Tensor key_start = at::empty({s_len}, at::kLong);
+    int64_t* kst = key_start.data_ptr<int64_t>();
+    int64_t start = 0;  // in a register: through kst[k - 1] each step waits on a store
+    for (int64_t k = 0; k < s_len; ++k) {
+      if (k > 0 && seq[k] != seq[k - 1]) start = k;
+      kst[k] = start;
+    }
+    return {row_source.clone(), at::arange(s_len, at::kLong), sequence.clone(), key_start};
+  }
   at::Tensor slots = at::empty({count}, at::kLong), of_position = at::empty({s_len}, at::kLong);
   at::Tensor key_seq = at::empty({count}, at::kLong), key_start = at::empty({count}, at::kLong);
   int64_t *sl = slots.data_ptr<int64_t>(), *of = of_position.data_ptr<int64_t>();
   int64_t *ks = key_seq.data_ptr<int64_t>(), *kst = key_start.data_ptr<int64_t>();
-  int64_t k = 0;
+  int64_t k = 0, start = 0;
   for (int64_t p = 0; p < s_len; ++p) {
     if (src[p] >= 0) {
-      kst[k] = (k == 0 || ks[k - 1] != seq[p]) ? k : kst[k - 1];
+      if (k > 0 && ks[k - 1] != seq[p]) start = k;
+      kst[k] = start;
       sl[k] = src[p];
       ks[k] = seq[p];
       ++k;
@@ -376,20 +389,33 @@ std::vector<double> run_cost(const at::Tensor& positions, const at::Tensor& of_p
   const int64_t n = positions.numel(), num_keys = key_sequence.numel();
   const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
   TORCH_CHECK(tile >= 1, "run_cost: tile must be positive");
-  std::vector<char> mine(num_keys, 0);
+  Vec compact(n);
   int64_t work = 0;
+  bool ascending = true;
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), "run_cost: position ", pos[i],
                 " out of range");
-    const int64_t k = of[pos[i]];
-    TORCH_CHECK(k >= 0 && k < num_keys && !mine[k], "run_cost: local position ", pos[i],
+    const int64_t k = compact[i] = of[pos[i]];
+    TORCH_CHECK(k >= 0 && k < num_keys, "run_cost: local position ", pos[i],
                 " is not an owned position of its own");
-    mine[k] = 1;
     work += k - kstart[k] + 1;
+    ascending = ascending && (i == 0 || k > compact[i - 1]);
+  }
+  // The rank's keys in ascending order: its rows' where they come so (as in run_tables).
+  if (!ascending) {
+    std::vector<char> mine(num_keys, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(!mine[compact[i]], "run_cost: local position ", pos[i],
+                  " is not an owned position of its own");
+      mine[compact[i]] = 1;
+    }
+    compact.clear();
+    for (int64_t k = 0; k < num_keys; ++k) {
+      if (mine[k]) compact.push_back(k);
+    }
   }
   int64_t cost = 0, lo = -1, last = -1;
-  for (int64_t k = 0; k < num_keys; ++k) {
-    if (!mine[k]) continue;
+  for (const int64_t k : compact) {
     if (lo >= 0 && (k - last > gap_limit || kseq[k] != kseq[last])) {
       cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
       lo = -1;
