@@ -5,10 +5,13 @@ host's work before the first kernel launch counts as the call's time unless the 
 busy (``--lead-ms``). This probe measures that host work directly for named cases: the wall
 time of the forward and of the forward+backward while the GPU spins far ahead (so no launch
 waits on the GPU), the cuDNN kernel's share of it (``g.execute`` calls, wrapped and timed), and
-a ``cProfile`` of the calls' Python, heaviest functions first.
+a ``cProfile`` of the calls' Python, heaviest functions first. ``--sync-check`` instead runs one
+forward+backward under ``torch.cuda.set_sync_debug_mode("error")`` (a synchronising CUDA call
+raises, naming where) and reports the caching allocator's device allocations, frees and retries
+during it (a ``cudaFree`` synchronises the device without the debug mode seeing it).
 
 Usage: python benchmarks/probes/probe_attention_host.py [--cases zigzag_cp2,random_rows_cp2]
-       [--size 20436] [--reps 20]
+       [--size 20436] [--reps 20] [--sync-check]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -76,16 +80,39 @@ def _host_ms(fn, reps, clock):
     return statistics.median(times), statistics.median(execute)
 
 
+def _sync_check(case) -> str:
+    """One forward+backward with synchronising CUDA calls raising; the allocator's counters."""
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        case.ours(True)
+        found = "no synchronising call"
+    except RuntimeError:
+        found = "synchronising call:\n" + traceback.format_exc(limit=-12)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    counts = ", ".join(f"{k} {after.get(k, 0) - before.get(k, 0)}" for k in keys)
+    return f"{found}\nallocator during the call: {counts}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="zigzag_cp2,packed_cut_1seq_cp4,random_rows_cp2")
     ap.add_argument("--size", type=int, default=20436)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sync-check", action="store_true", help="only look for host syncs")
     args = ap.parse_args()
     device = torch.device("cuda")
     for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
         case = Case(plan, rank, cu, device)
         case.ours(True)
+        if args.sync_check:
+            print(f"{name} S={args.size}: {case.runs.describe()}\n{_sync_check(case)}", flush=True)
+            continue
         clock = _ExecuteClock()
         clock.wrap()
         fwd, fwd_exec = _host_ms(lambda c=case: c.ours(False), args.reps, clock)
