@@ -105,6 +105,9 @@ def main():
     ap.add_argument("--size", type=int, default=20436)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sync-check", action="store_true", help="only look for host syncs")
+    ap.add_argument(
+        "--forward", action="store_true", help="profile the forward alone, by cumulative time"
+    )
     args = ap.parse_args()
     device = torch.device("cuda")
     for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
@@ -127,11 +130,12 @@ def main():
         gpu_sleep(2000.0)
         prof.enable()
         for _ in range(10):
-            case.ours(True)
+            case.ours(not args.forward)
         prof.disable()
         torch.cuda.synchronize()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        order = "cumulative" if args.forward else "tottime"
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(40 if args.forward else 18)
         print(text.getvalue(), flush=True)
 
 
