@@ -374,6 +374,38 @@ double tile_cost(const at::Tensor& q_len, const at::Tensor& kv_len, bool causal,
   return static_cast<double>(cost);
 }
 
+// The rank's compact keys in ascending order, each checked in range and owned once, and the
+// rows' own causal work (score elements from each row's sequence start to itself). Rows that
+// come in key order (run plans) are their own order; otherwise a counting pass over the keys.
+Vec sorted_compact(const int64_t* pos, int64_t n, const at::Tensor& of_position,
+                   const int64_t* kstart, int64_t num_keys, const char* what, int64_t* work) {
+  const int64_t* of = of_position.data_ptr<int64_t>();
+  Vec compact(n);
+  bool ascending = true;
+  *work = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), what, ": position ", pos[i],
+                " out of range");
+    const int64_t k = compact[i] = of[pos[i]];
+    TORCH_CHECK(k >= 0 && k < num_keys, what, ": local position ", pos[i],
+                " is not an owned position of its own");
+    *work += k - kstart[k] + 1;
+    ascending = ascending && (i == 0 || k > compact[i - 1]);
+  }
+  if (ascending) return compact;
+  std::vector<char> mine(num_keys, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(!mine[compact[i]], what, ": local position ", pos[i],
+                " is not an owned position of its own");
+    mine[compact[i]] = 1;
+  }
+  compact.clear();
+  for (int64_t k = 0; k < num_keys; ++k) {
+    if (mine[k]) compact.push_back(k);
+  }
+  return compact;
+}
+
 // What the layout choice reads of the run tables (runs.run_entries then
 // blocks._tile_cost), without laying out a table: [the entries' causal tile cost, the
 // rows' own causal work]. The entries are run_tables' spans: sorted keys of one sequence closer
@@ -383,39 +415,16 @@ std::vector<double> run_cost(const at::Tensor& positions, const at::Tensor& of_p
                              const at::Tensor& key_sequence, const at::Tensor& key_sequence_start,
                              int64_t merge_gap, int64_t tile) {
   const int64_t* pos = read(positions, "run_cost: positions");
-  const int64_t* of = read(of_position, "run_cost: of_position");
+  read(of_position, "run_cost: of_position");
   const int64_t* kseq = read(key_sequence, "run_cost: key_sequence");
   const int64_t* kstart = read(key_sequence_start, "run_cost: key_sequence_start");
   const int64_t n = positions.numel(), num_keys = key_sequence.numel();
   const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
   TORCH_CHECK(tile >= 1, "run_cost: tile must be positive");
-  Vec compact(n);
   int64_t work = 0;
-  bool ascending = true;
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), "run_cost: position ", pos[i],
-                " out of range");
-    const int64_t k = compact[i] = of[pos[i]];
-    TORCH_CHECK(k >= 0 && k < num_keys, "run_cost: local position ", pos[i],
-                " is not an owned position of its own");
-    work += k - kstart[k] + 1;
-    ascending = ascending && (i == 0 || k > compact[i - 1]);
-  }
-  // The rank's keys in ascending order: its rows' where they come so (as in run_tables).
-  if (!ascending) {
-    std::vector<char> mine(num_keys, 0);
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(!mine[compact[i]], "run_cost: local position ", pos[i],
-                  " is not an owned position of its own");
-      mine[compact[i]] = 1;
-    }
-    compact.clear();
-    for (int64_t k = 0; k < num_keys; ++k) {
-      if (mine[k]) compact.push_back(k);
-    }
-  }
+  const Vec sorted = sorted_compact(pos, n, of_position, kstart, num_keys, "run_cost", &work);
   int64_t cost = 0, lo = -1, last = -1;
-  for (const int64_t k : compact) {
+  for (const int64_t k : sorted) {
     if (lo >= 0 && (k - last > gap_limit || kseq[k] != kseq[last])) {
       cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
       lo = -1;
@@ -465,6 +474,45 @@ struct Call {
   }
 };
 
+// Groups of the blocked layout: up to group_rows consecutive sorted rows of one sequence. Per
+// group its first sorted row and row count, its first and last compact key (lo, hi), its
+// sequence's first key (start), its index in its sequence and its sequence's group count.
+struct Groups {
+  Vec first, length, lo, hi, start, index, size;
+};
+
+Groups make_groups(const Vec& sorted, const int64_t* kstart, int64_t group_rows) {
+  const int64_t n = static_cast<int64_t>(sorted.size());
+  Groups gr;
+  for (Vec* v : {&gr.first, &gr.length, &gr.lo, &gr.hi, &gr.start, &gr.index, &gr.size}) {
+    v->reserve(n / group_rows + 64);
+  }
+  int64_t seq_first = 0, seq_groups = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool new_seq = i == 0 || kstart[sorted[i]] != kstart[sorted[i - 1]];
+    if (new_seq) {  // the previous sequence's groups now know their count
+      const int64_t groups_so_far = static_cast<int64_t>(gr.size.size());
+      for (int64_t g = groups_so_far - seq_groups; g < groups_so_far; ++g) gr.size[g] = seq_groups;
+      seq_first = i, seq_groups = 0;
+    }
+    if (new_seq || (i - seq_first) % group_rows == 0) {
+      gr.first.push_back(i);
+      gr.length.push_back(0);
+      gr.lo.push_back(sorted[i]);
+      gr.hi.push_back(sorted[i]);
+      gr.start.push_back(kstart[sorted[i]]);
+      gr.index.push_back((i - seq_first) / group_rows);
+      gr.size.push_back(0);
+      ++seq_groups;
+    }
+    ++gr.length.back();
+    gr.hi.back() = sorted[i];
+  }
+  const int64_t groups = static_cast<int64_t>(gr.first.size());
+  for (int64_t g = groups - seq_groups; g < groups; ++g) gr.size[g] = seq_groups;
+  return gr;
+}
+
 // The blocked layout of one rank's rows (AttentionBlocks.build). Returns the tensors
 //   order, local_to_sorted, has_bulk (empty: every group has bulk keys), slot_rows (empty when
 //   the slots are the compact keys), then 7 per call (q_start, q_len, k_start, kv_len,
@@ -510,32 +558,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
     identity = identity && order[i] == i;
     local_to_sorted[order[i]] = i;
   }
-  // Groups: up to group_rows consecutive sorted rows of one sequence.
-  Vec first, length, lo, hi, start, index, size;
-  for (Vec* v : {&first, &length, &lo, &hi, &start, &index, &size}) v->reserve(n / group_rows + 64);
-  int64_t seq_first = 0, seq_groups = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const bool new_seq = i == 0 || kstart[sorted[i]] != kstart[sorted[i - 1]];
-    if (new_seq) {  // the previous sequence's groups now know their count
-      const int64_t groups_so_far = static_cast<int64_t>(size.size());
-      for (int64_t g = groups_so_far - seq_groups; g < groups_so_far; ++g) size[g] = seq_groups;
-      seq_first = i, seq_groups = 0;
-    }
-    if (new_seq || (i - seq_first) % group_rows == 0) {
-      first.push_back(i);
-      length.push_back(0);
-      lo.push_back(sorted[i]);
-      hi.push_back(sorted[i]);
-      start.push_back(kstart[sorted[i]]);
-      index.push_back((i - seq_first) / group_rows);
-      size.push_back(0);
-      ++seq_groups;
-    }
-    ++length.back();
-    hi.back() = sorted[i];
-  }
+  Groups gr = make_groups(sorted, kstart, group_rows);
+  const Vec &first = gr.first, &length = gr.length, &lo = gr.lo, &hi = gr.hi, &start = gr.start;
+  const Vec &index = gr.index, &size = gr.size;
   const int64_t groups = static_cast<int64_t>(first.size());
-  for (int64_t g = groups - seq_groups; g < groups; ++g) size[g] = seq_groups;
 
   std::vector<Call> calls;
   std::vector<int64_t> call_meta;
@@ -653,6 +679,29 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
   return {out, meta};
 }
 
+// What the layout choice reads of the blocked layout (blocks._blocks_cost), without laying it
+// out: the tile cost of its forward calls, every group's bulk keys [start, lo) unmasked and its
+// diagonal span [lo, hi] causal.
+double block_cost(const at::Tensor& positions, const at::Tensor& of_position,
+                  const at::Tensor& key_sequence_start, int64_t group_rows, int64_t tile) {
+  const int64_t* pos = read(positions, "block_cost: positions");
+  read(of_position, "block_cost: of_position");
+  const int64_t* kstart = read(key_sequence_start, "block_cost: key_sequence_start");
+  TORCH_CHECK(group_rows >= 1, "block_cost: group_rows must be positive, got ", group_rows);
+  TORCH_CHECK(tile >= 1, "block_cost: tile must be positive");
+  int64_t work = 0;
+  const Vec sorted = sorted_compact(pos, positions.numel(), of_position, kstart,
+                                    key_sequence_start.numel(), "block_cost", &work);
+  const Groups gr = make_groups(sorted, kstart, group_rows);
+  int64_t cost = 0;
+  for (size_t g = 0; g < gr.first.size(); ++g) {
+    if (gr.lo[g] > gr.start[g]) cost += entry_tile_cost(gr.length[g], gr.lo[g] - gr.start[g], false, tile);
+    const int64_t span = gr.hi[g] - gr.lo[g] + 1;
+    cost += entry_tile_cost(span, span, true, tile);
+  }
+  return static_cast<double>(cost);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_cp_host, m) {
@@ -677,6 +726,10 @@ TORCH_LIBRARY(megatron_cp_host, m) {
       "Tensor key_sequence_start, int group_rows, int span_budget, int slots, "
       "bool slots_in_source_order) -> (Tensor[], int[])",
       &block_tables);
+  m.def(
+      "block_cost(Tensor positions, Tensor of_position, Tensor key_sequence_start, "
+      "int group_rows, int tile) -> float",
+      &block_cost);
 }
 
 }  // namespace megatron_cp_host

@@ -17,6 +17,8 @@ from attention.test_runs import RUN_TABLE_DRAWS, _drawn_plan, _sequence
 from megatron.context_parallel import ContextParallelPlan, _extension
 from megatron.context_parallel.attention.blocks import (
     AttentionBlocks,
+    _block_cost,
+    _blocks_cost,
     _run_cost,
     _tile_cost,
     build_attention_tables,
@@ -167,6 +169,21 @@ def test_tile_cost_equals_the_reference(entries, causal, tile):
     assert native == reference
 
 
+def _dealt_blocks(seed, cp, seq_len, block, sequences, unowned):
+    """A plan of ``block``-position blocks dealt at random over ``cp`` ranks (and, with
+    ``unowned``, nobody), each rank's positions shuffled, over ``sequences`` packed sequences
+    cut at random: ``(plan, sequence)``."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(1, seq_len, (sequences - 1,), generator=g) if seq_len > 1 else None
+    cu = None if cuts is None else (0, *sorted(set(cuts.tolist())), seq_len)
+    owner = torch.randint(0, cp + int(unowned), (-(-seq_len // block),), generator=g)
+    owner = owner.repeat_interleave(block)[:seq_len]
+    ranks = [torch.nonzero(owner == r).flatten() for r in range(cp)]
+    ranks = [p[torch.randperm(p.numel(), generator=g)] for p in ranks]
+    plan = ContextParallelPlan.from_rank_positions(ranks, seq_len, cu)
+    return plan, _sequence(seq_len, cu)
+
+
 @pytest.mark.skipif(OPS is None, reason="host builders not built")
 @settings(max_examples=40, deadline=None)
 @given(
@@ -182,15 +199,7 @@ def test_run_cost_reads_what_the_run_tables_hold(seed, cp, seq_len, block, seque
     # the torch reference: blocks of positions dealt at random over the ranks (and nobody), so
     # runs are cut far apart, at the 64-row merge gap exactly (63-row blocks between) and within
     # packed sequences.
-    g = torch.Generator().manual_seed(seed)
-    cuts = torch.randint(1, seq_len, (sequences - 1,), generator=g) if seq_len > 1 else None
-    cu = None if cuts is None else (0, *sorted(set(cuts.tolist())), seq_len)
-    owner = torch.randint(0, cp + int(unowned), (-(-seq_len // block),), generator=g)
-    owner = owner.repeat_interleave(block)[:seq_len]
-    ranks = [torch.nonzero(owner == r).flatten() for r in range(cp)]
-    ranks = [p[torch.randperm(p.numel(), generator=g)] for p in ranks]
-    plan = ContextParallelPlan.from_rank_positions(ranks, seq_len, cu)
-    sequence = _sequence(seq_len, cu)
+    plan, sequence = _dealt_blocks(seed, cp, seq_len, block, sequences, unowned)
     keys = CompactKeys(plan, sequence)
     with pytest.MonkeyPatch.context() as mp:
         for rank in range(cp):
@@ -201,6 +210,37 @@ def test_run_cost_reads_what_the_run_tables_hold(seed, cp, seq_len, block, seque
             expected = (_tile_cost(runs.q_len, runs.kv_len, True), runs.work)
             mp.undo()
             assert _run_cost(plan, rank, sequence, keys) == expected, f"rank {rank}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(1, 3000),
+    block=st.sampled_from([1, 17, 64, 200]),
+    sequences=st.integers(1, 12),
+    group_rows=st.sampled_from([1, 5, 128, 300]),
+    native=st.booleans(),
+)
+def test_block_cost_reads_what_the_blocked_tables_hold(
+    seed, cp, seq_len, block, sequences, group_rows, native
+):
+    # The layout choice reads the blocked layout's cost from its groups (C++ block_cost, or the
+    # torch reference) instead of laying it out: the same number as the blocked tables' own
+    # forward calls, built by the reference, on blocks of positions dealt at random.
+    plan, sequence = _dealt_blocks(seed, cp, seq_len, block, sequences, False)
+    keys = CompactKeys(plan, sequence)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_extension, "host_tables", lambda: None)
+        for rank in range(cp):
+            if plan.counts[rank] == 0:
+                continue
+            blocks = AttentionBlocks.build(plan, rank, sequence, group_rows=group_rows, keys=keys)
+            expected = _blocks_cost(blocks)
+            if native and OPS is not None:
+                mp.undo()
+            assert _block_cost(plan, rank, keys, group_rows) == expected, f"rank {rank}"
+            mp.setattr(_extension, "host_tables", lambda: None)
 
 
 def test_device_tables_are_the_host_tables_in_one_copy():

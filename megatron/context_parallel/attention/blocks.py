@@ -447,6 +447,25 @@ def _run_cost(plan, rank: int, sequence: torch.Tensor, keys: CompactKeys) -> Tup
     return _tile_cost(q_len, kv_len, True), work
 
 
+def _block_cost(plan, rank: int, keys: CompactKeys, group_rows: int = DEFAULT_GROUP_ROWS) -> float:
+    """``_blocks_cost`` of the blocked tables ``AttentionBlocks.build`` would make for this rank,
+    read from its groups without laying the tables out (C++ ``block_cost`` where built): every
+    group's bulk keys ``[start, lo)`` unmasked and its diagonal span ``[lo, hi]`` causal."""
+    positions = plan.local_positions(rank)
+    ops = host_ops()
+    if ops is not None:
+        return ops.block_cost(
+            positions, keys.of_position, keys.sequence_start, group_rows, KERNEL_TILE
+        )
+    sorted_compact = torch.sort(keys.of_position[positions]).values
+    groups = _groups(sorted_compact, keys.sequence_start[sorted_compact], group_rows)
+    bulk = groups.lo > groups.start
+    span = groups.hi - groups.lo + 1
+    return _tile_cost(groups.length[bulk], (groups.lo - groups.start)[bulk], False) + _tile_cost(
+        span, span, True
+    )
+
+
 def _tile_cost(
     q_len: torch.Tensor, kv_len: torch.Tensor, causal: bool, tile: int = KERNEL_TILE
 ) -> float:
@@ -497,14 +516,16 @@ def build_attention_tables(
 
     if padding_rows or plan.counts[rank] == 0:
         return runs()
-    # The choice reads the run entries alone, and only the chosen layout is laid out: the run
-    # tables of a sequence cut into many runs give every run its own key-gradient rows (0.5 GB
-    # at S = 131,072 for 64-row blocks over CP 4), far more than the blocked tables that win.
+    # The choice reads the run entries and the blocked groups, and only the chosen layout is
+    # laid out: the run tables of a sequence cut into many runs give every run its own
+    # key-gradient rows (0.5 GB at S = 131,072 for 64-row blocks over CP 4), far more than the
+    # blocked tables that win.
     runs_cost, work = _run_cost(plan, rank, sequence, keys)
     # Run tables within the margin of the rows' own causal work need no comparison.
     if runs_cost <= LAYOUT_MARGIN * work:
         return runs()
-    blocks = AttentionBlocks.build(plan, rank, sequence, keys=keys)
-    if runs_cost > LAYOUT_MARGIN * _blocks_cost(blocks):
-        return blocks
+    # Laying the blocked tables out only to compare took as long as the rest of the build
+    # (THD at 20,436, where the runs win).
+    if runs_cost > LAYOUT_MARGIN * _block_cost(plan, rank, keys):
+        return AttentionBlocks.build(plan, rank, sequence, keys=keys)
     return runs()
