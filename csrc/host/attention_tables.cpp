@@ -117,6 +117,53 @@ int64_t balanced_budget(const Vec& size, int64_t budget) {
   return lo;
 }
 
+// One rank's rows as compact keys: `compact` (the key of each local row, each checked in range
+// and owned once), `sorted` (the keys in ascending order), `order` (the local row of each sorted
+// key; empty when the rows already come in key order, `ascending`, as in every run plan) and
+// `work` (the rows' own causal score elements, from each row's sequence start to itself). Rows
+// in key order are their own order: no copy and no pass over all the keys; otherwise a counting
+// pass.
+struct RankKeys {
+  Vec compact, by_key, order;  // by_key: the sorted keys where they differ from compact
+  bool ascending = true;
+  int64_t work = 0;
+
+  const Vec& sorted() const { return ascending ? compact : by_key; }
+  int64_t local_of_sorted(int64_t i) const { return ascending ? i : order[i]; }
+};
+
+RankKeys rank_keys(const at::Tensor& positions, const at::Tensor& of_position,
+                   const int64_t* kstart, int64_t num_keys, const char* what) {
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* of = of_position.data_ptr<int64_t>();
+  const int64_t n = positions.numel();
+  RankKeys rk;
+  rk.compact.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), what, ": position ", pos[i],
+                " out of range");
+    const int64_t k = rk.compact[i] = of[pos[i]];
+    TORCH_CHECK(k >= 0 && k < num_keys, what, ": local position ", pos[i],
+                " is not an owned position of its own");
+    rk.work += k - kstart[k] + 1;
+    rk.ascending = rk.ascending && (i == 0 || k > rk.compact[i - 1]);
+  }
+  if (rk.ascending) return rk;
+  Vec local_of_key(num_keys, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(local_of_key[rk.compact[i]] < 0, what, ": local position ", pos[i],
+                " is not an owned position of its own");
+    local_of_key[rk.compact[i]] = i;
+  }
+  rk.by_key.reserve(n), rk.order.reserve(n);
+  for (int64_t k = 0; k < num_keys; ++k) {
+    if (local_of_key[k] < 0) continue;
+    rk.by_key.push_back(k);
+    rk.order.push_back(local_of_key[k]);
+  }
+  return rk;
+}
+
 // Packs each entry's key-gradient rows in the order of its query rows (not the kernel's entry
 // order), so that entries with neighbouring query rows have neighbouring key-gradient rows and
 // a backward cut into windows of both (AttentionRuns.backward_windows) gets narrow windows.
@@ -146,7 +193,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
     const at::Tensor& key_sequence_start, int64_t padding_rows, int64_t merge_gap,
     bool longest_first) {
   const int64_t* pos = read(positions, "run_tables: positions");
-  const int64_t* of = read(of_position, "run_tables: of_position");
+  read(of_position, "run_tables: of_position");
   const int64_t* seq = read(sequence, "run_tables: sequence");
   const int64_t* kseq = read(key_sequence, "run_tables: key_sequence");
   const int64_t* kstart = read(key_sequence_start, "run_tables: key_sequence_start");
@@ -154,37 +201,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   const int64_t num_keys = key_slots.numel();
   const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
 
-  Vec compact(n);
-  int64_t work = 0;
-  bool ascending = true;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = pos[i];
-    TORCH_CHECK(p >= 0 && p < of_position.numel(), "run_tables: position ", p, " out of range");
-    compact[i] = of[p];
-    TORCH_CHECK(compact[i] >= 0 && compact[i] < num_keys, "run_tables: local position ", p,
-                " is not an owned position of its own");
-    work += compact[i] - kstart[compact[i]] + 1;
-    ascending = ascending && (i == 0 || compact[i] > compact[i - 1]);
-  }
-  // The rank's keys in ascending order. Rows that come so (run plans) are their own order, and
-  // the local row of sorted key i is i: no pass over all the keys. Otherwise a counting pass
-  // (compact keys are distinct) through the local row of each key.
-  Vec sorted, local_of_key;
-  if (ascending) {
-    sorted = compact;
-  } else {
-    local_of_key.assign(num_keys, -1);
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(local_of_key[compact[i]] < 0, "run_tables: local position ", pos[i],
-                  " is not an owned position of its own");
-      local_of_key[compact[i]] = i;
-    }
-    sorted.reserve(n);
-    for (int64_t k = 0; k < num_keys; ++k) {
-      if (local_of_key[k] >= 0) sorted.push_back(k);
-    }
-  }
-  auto local_of_sorted = [&](int64_t i) { return ascending ? i : local_of_key[sorted[i]]; };
+  const RankKeys rk = rank_keys(positions, of_position, kstart, num_keys, "run_tables");
+  const Vec &compact = rk.compact, &sorted = rk.sorted();
+  const int64_t work = rk.work;
   // Spans: sorted keys of one sequence closer than the merge gap.
   Vec span_lo, span_len, span_first;
   span_lo.reserve(n), span_len.reserve(n), span_first.reserve(n);
@@ -238,7 +257,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
       q_start[s] = row;
       const int64_t end = s + 1 < spans ? span_first[s + 1] : n;
       for (int64_t i = span_first[s]; i < end; ++i) {
-        const int64_t local = local_of_sorted(i), at = row + sorted[i] - span_lo[s];
+        const int64_t local = rk.local_of_sorted(i), at = row + sorted[i] - span_lo[s];
         source[at] = local;
         to_span[local] = at;
       }
@@ -374,38 +393,6 @@ double tile_cost(const at::Tensor& q_len, const at::Tensor& kv_len, bool causal,
   return static_cast<double>(cost);
 }
 
-// The rank's compact keys in ascending order, each checked in range and owned once, and the
-// rows' own causal work (score elements from each row's sequence start to itself). Rows that
-// come in key order (run plans) are their own order; otherwise a counting pass over the keys.
-Vec sorted_compact(const int64_t* pos, int64_t n, const at::Tensor& of_position,
-                   const int64_t* kstart, int64_t num_keys, const char* what, int64_t* work) {
-  const int64_t* of = of_position.data_ptr<int64_t>();
-  Vec compact(n);
-  bool ascending = true;
-  *work = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), what, ": position ", pos[i],
-                " out of range");
-    const int64_t k = compact[i] = of[pos[i]];
-    TORCH_CHECK(k >= 0 && k < num_keys, what, ": local position ", pos[i],
-                " is not an owned position of its own");
-    *work += k - kstart[k] + 1;
-    ascending = ascending && (i == 0 || k > compact[i - 1]);
-  }
-  if (ascending) return compact;
-  std::vector<char> mine(num_keys, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(!mine[compact[i]], what, ": local position ", pos[i],
-                " is not an owned position of its own");
-    mine[compact[i]] = 1;
-  }
-  compact.clear();
-  for (int64_t k = 0; k < num_keys; ++k) {
-    if (mine[k]) compact.push_back(k);
-  }
-  return compact;
-}
-
 // What the layout choice reads of the run tables (runs.run_entries then
 // blocks._tile_cost), without laying out a table: [the entries' causal tile cost, the
 // rows' own causal work]. The entries are run_tables' spans: sorted keys of one sequence closer
@@ -414,17 +401,16 @@ Vec sorted_compact(const int64_t* pos, int64_t n, const at::Tensor& of_position,
 std::vector<double> run_cost(const at::Tensor& positions, const at::Tensor& of_position,
                              const at::Tensor& key_sequence, const at::Tensor& key_sequence_start,
                              int64_t merge_gap, int64_t tile) {
-  const int64_t* pos = read(positions, "run_cost: positions");
+  read(positions, "run_cost: positions");
   read(of_position, "run_cost: of_position");
   const int64_t* kseq = read(key_sequence, "run_cost: key_sequence");
   const int64_t* kstart = read(key_sequence_start, "run_cost: key_sequence_start");
-  const int64_t n = positions.numel(), num_keys = key_sequence.numel();
+  const int64_t num_keys = key_sequence.numel();
   const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
   TORCH_CHECK(tile >= 1, "run_cost: tile must be positive");
-  int64_t work = 0;
-  const Vec sorted = sorted_compact(pos, n, of_position, kstart, num_keys, "run_cost", &work);
+  const RankKeys rk = rank_keys(positions, of_position, kstart, num_keys, "run_cost");
   int64_t cost = 0, lo = -1, last = -1;
-  for (const int64_t k : sorted) {
+  for (const int64_t k : rk.sorted()) {
     if (lo >= 0 && (k - last > gap_limit || kseq[k] != kseq[last])) {
       cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
       lo = -1;
@@ -433,7 +419,7 @@ std::vector<double> run_cost(const at::Tensor& positions, const at::Tensor& of_p
     last = k;
   }
   if (lo >= 0) cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
-  return {static_cast<double>(cost), static_cast<double>(work)};
+  return {static_cast<double>(cost), static_cast<double>(rk.work)};
 }
 
 // One kernel call of the blocked layout (AttentionRuns.from_entries): its entries longest
@@ -526,8 +512,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
     const at::Tensor& positions, const at::Tensor& of_position, const at::Tensor& key_slots,
     const at::Tensor& key_sequence_start, int64_t group_rows, int64_t span_budget, int64_t slots,
     bool slots_in_source_order) {
-  const int64_t* pos = read(positions, "block_tables: positions");
-  const int64_t* of = read(of_position, "block_tables: of_position");
+  read(positions, "block_tables: positions");
+  read(of_position, "block_tables: of_position");
   const int64_t* kslot = read(key_slots, "block_tables: key_slots");
   const int64_t* kstart = read(key_sequence_start, "block_tables: key_sequence_start");
   const int64_t n = positions.numel();
@@ -535,27 +521,13 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
   TORCH_CHECK(n > 0, "block_tables: the blocked layout needs rows");
   TORCH_CHECK(group_rows >= 1, "block_tables: group_rows must be positive, got ", group_rows);
 
-  Vec local_of_key(num_keys, -1);
+  const RankKeys rk = rank_keys(positions, of_position, kstart, num_keys, "block_tables");
+  const Vec& sorted = rk.sorted();
+  const bool identity = rk.ascending;
+  Vec sorted_of_key(num_keys, -1), order(n), local_to_sorted(n);
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), "block_tables: position ", pos[i],
-                " out of range");
-    const int64_t k = of[pos[i]];
-    TORCH_CHECK(k >= 0 && k < num_keys && local_of_key[k] < 0, "block_tables: local position ",
-                pos[i], " is not an owned position of its own");
-    local_of_key[k] = i;
-  }
-  Vec sorted, order, sorted_of_key(num_keys, -1);
-  sorted.reserve(n), order.reserve(n);
-  for (int64_t k = 0; k < num_keys; ++k) {
-    if (local_of_key[k] < 0) continue;
-    sorted_of_key[k] = static_cast<int64_t>(sorted.size());
-    sorted.push_back(k);
-    order.push_back(local_of_key[k]);
-  }
-  bool identity = true;
-  Vec local_to_sorted(n);
-  for (int64_t i = 0; i < n; ++i) {
-    identity = identity && order[i] == i;
+    sorted_of_key[sorted[i]] = i;
+    order[i] = rk.local_of_sorted(i);
     local_to_sorted[order[i]] = i;
   }
   Groups gr = make_groups(sorted, kstart, group_rows);
@@ -684,18 +656,18 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
 // diagonal span [lo, hi] causal.
 double block_cost(const at::Tensor& positions, const at::Tensor& of_position,
                   const at::Tensor& key_sequence_start, int64_t group_rows, int64_t tile) {
-  const int64_t* pos = read(positions, "block_cost: positions");
+  read(positions, "block_cost: positions");
   read(of_position, "block_cost: of_position");
   const int64_t* kstart = read(key_sequence_start, "block_cost: key_sequence_start");
   TORCH_CHECK(group_rows >= 1, "block_cost: group_rows must be positive, got ", group_rows);
   TORCH_CHECK(tile >= 1, "block_cost: tile must be positive");
-  int64_t work = 0;
-  const Vec sorted = sorted_compact(pos, positions.numel(), of_position, kstart,
-                                    key_sequence_start.numel(), "block_cost", &work);
-  const Groups gr = make_groups(sorted, kstart, group_rows);
+  const RankKeys rk =
+      rank_keys(positions, of_position, kstart, key_sequence_start.numel(), "block_cost");
+  const Groups gr = make_groups(rk.sorted(), kstart, group_rows);
   int64_t cost = 0;
   for (size_t g = 0; g < gr.first.size(); ++g) {
-    if (gr.lo[g] > gr.start[g]) cost += entry_tile_cost(gr.length[g], gr.lo[g] - gr.start[g], false, tile);
+    const int64_t bulk = gr.lo[g] - gr.start[g];
+    if (bulk > 0) cost += entry_tile_cost(gr.length[g], bulk, false, tile);
     const int64_t span = gr.hi[g] - gr.lo[g] + 1;
     cost += entry_tile_cost(span, span, true, tile);
   }
