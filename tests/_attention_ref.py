@@ -83,10 +83,13 @@ class ReferenceKernel:
         return o, (stats if want_stats else None)
 
     @classmethod
-    def backward(cls, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None):
+    def backward(
+        cls, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None, dq_out=None
+    ):
         d = q.shape[-1]
         heads, groups = q.shape[1], kv.shape[1]
-        dq = torch.zeros_like(q)
+        # Written whole: rows outside every entry zero.
+        dq = torch.zeros_like(q) if dq_out is None else dq_out.zero_()
         # Rows no entry writes stay zero, as the cuDNN kernel's zero-initialised buffers do
         # (or keep what an earlier call of a split backward wrote there).
         dkv = cls.key_gradients(kv, runs) if dkv_out is None else dkv_out
@@ -151,10 +154,10 @@ class WindowedSplitSharedKeysReferenceKernel(SplitSharedKeysReferenceKernel):
 
 class FreedBuffersReferenceKernel(ReferenceKernel):
     """The reference kernel, checking at each backward call that the previous call's buffers
-    are freed: the gradients it returned (other than a ``dkv_out`` it was given) and the inputs
-    its caller made for it. A buffer of the current call's inputs, or one in ``keep`` (the
-    forward's saved tensors, the incoming gradient), may stay. On a GPU a call's workspace on
-    top of whatever is still alive is the backward's peak memory.
+    are freed: the gradients it returned (other than a ``dkv_out`` or ``dq_out`` it was given)
+    and the inputs its caller made for it. A buffer of the current call's inputs, or one in
+    ``keep`` (the forward's saved tensors, the incoming gradient), may stay. On a GPU a call's
+    workspace on top of whatever is still alive is the backward's peak memory.
 
     One instance serves one backward pass (``backward_keeping``); ``calls`` counts its backward
     calls."""
@@ -164,16 +167,22 @@ class FreedBuffersReferenceKernel(ReferenceKernel):
         self.previous = []
         self.calls = 0
 
-    def backward(self, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None):
-        given = (q, kv, o, do, stats) + (() if dkv_out is None else (dkv_out,))
+    def backward(
+        self, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None, dq_out=None
+    ):
+        given = (q, kv, o, do, stats) + tuple(t for t in (dkv_out, dq_out) if t is not None)
         current = {_storage(t) for t in given}
         for name, ref, storage in self.previous:
             if ref() is not None and storage not in current and storage not in self.keep:
                 raise AssertionError(
                     f"backward call {self.calls}: the previous call's {name} is alive"
                 )
-        dq, dkv = super().backward(q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out)
-        tracked = {"q": q, "o": o, "do": do, "stats": stats, "dq": dq}
+        dq, dkv = super().backward(
+            q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out, dq_out
+        )
+        tracked = {"q": q, "o": o, "do": do, "stats": stats}
+        if dq_out is None:
+            tracked["dq"] = dq
         if dkv_out is None:
             tracked["dkv"] = dkv
         self.previous = [(n, weakref.ref(t), _storage(t)) for n, t in tracked.items()]

@@ -54,12 +54,14 @@ class ShapeKernel:
         stats = torch.zeros(q.shape[:2], dtype=torch.float32) if want_stats else None
         return torch.zeros_like(q), stats
 
-    def backward(self, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None):
+    def backward(
+        self, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None, dq_out=None
+    ):
         heads, dim = q.shape[1], q.shape[2]
         rows = runs.total_q + runs.total_mat
         padded = runs.batch * runs.max_q * heads * 4
         workspace = torch.empty(rows * 4 * heads * dim + 2 * padded, dtype=torch.uint8)
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q) if dq_out is None else dq_out
         dkv = self.key_gradients(kv, runs) if dkv_out is None else dkv_out
         del workspace
         return dq, dkv

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from _attention_ref import (
     FreedBuffersWindowedReferenceKernel,
     ReferenceKernel,
     SharedKeysReferenceKernel,
+    WindowedReferenceKernel,
+    WindowedSplitSharedKeysReferenceKernel,
     backward_keeping,
     oracle_attention,
 )
@@ -38,7 +41,11 @@ from megatron.context_parallel.attention.blocks import (
     build_attention_tables,
     choose_layout,
 )
-from megatron.context_parallel.attention.fused import fused_attention
+from megatron.context_parallel.attention.fused import (
+    _call_backward,
+    _windows_tile,
+    fused_attention,
+)
 from megatron.context_parallel.attention.kernel import AttentionKernel
 from megatron.context_parallel.attention.runs import AttentionRuns, CompactKeys, _bucket
 from megatron.context_parallel.attention.settings import (
@@ -663,6 +670,82 @@ def test_backward_windows_cover_each_entry_once(seed, cp, seq_len, packed, max_r
             for w in windows:
                 order = [whole_entries.index(e) for e in _rows_written(w, w.window[::2])]
                 assert order == sorted(order)
+
+
+def _fresh_buffers_read_nan():
+    """``Tensor.new_empty`` filling floating buffers with NaN, for as long as it is entered."""
+    real = torch.Tensor.new_empty
+
+    def poisoned(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    return mock.patch.object(torch.Tensor, "new_empty", poisoned)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(1, 48),
+    packed=st.booleans(),
+    unowned=st.sampled_from([0.0, 0.3]),
+    blocked=st.booleans(),
+    kernel=st.sampled_from([WindowedReferenceKernel, WindowedSplitSharedKeysReferenceKernel]),
+)
+def test_windows_write_the_query_gradient_in_place(
+    seed, cp, seq_len, packed, unowned, blocked, kernel
+):
+    """The first call's windows write their rows of one query-gradient buffer (``dq_out``),
+    under the run and the blocked layouts. Fresh buffers read NaN here, so a row of the
+    gradient that no window wrote shows."""
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    with _fresh_buffers_read_nan():
+        for rank in range(cp):
+            tables = None
+            if blocked and plan.counts[rank]:
+                tables = AttentionBlocks.build(plan, rank, _sequence(seq_len, cu), group_rows=2)
+            _check_rank(
+                plan, rank, cu, 2, 1, 4, seed + rank, merge_gap=1, kernel=kernel, tables=tables
+            )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_windowed_calls_query_gradient_is_zero_outside_its_entries(seed):
+    """The blocked layout's level calls use some of the rank's rows: cut into windows, the
+    rows between windows read zero, as the kernel's contract has it for one call, though the
+    windows write into a fresh (here NaN) buffer."""
+    plan, cu = _drawn_plan(seed, 2, 40, True, 0.0)
+    blocks = AttentionBlocks.build(plan, 0, _sequence(40, cu), group_rows=2)
+    g = torch.Generator().manual_seed(seed)
+    n = blocks.rows
+    q, o, do = (torch.randn(n, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    kv = torch.randn(blocks.slots, 1, 8, generator=g, dtype=torch.float64)
+    stats = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    gaps = 0
+    with _fresh_buffers_read_nan():
+        for call in blocks.levels:
+            cd = call.on(q.device)
+            dq, _ = _call_backward(
+                WindowedReferenceKernel(), q, kv, o, do, stats, call, cd, 0.5, False
+            )
+            outside = torch.ones(n, dtype=torch.bool)
+            outside[cd.entry_rows()] = False
+            assert torch.equal(dq[outside], torch.zeros_like(dq[outside]))
+            assert not dq[~outside].isnan().any()
+            windows = call.backward_windows(WindowedReferenceKernel.window_rows)
+            gaps += windows[0].window is not None and not _windows_tile(windows, n)
+    assert gaps  # some call's windows leave rows between them
+
+
+def test_windows_tile_their_rows_without_gaps():
+    def windows(*ranges):
+        return [dataclasses.make_dataclass("W", ["window"])((lo, hi, 0, 0)) for lo, hi in ranges]
+
+    assert _windows_tile(windows((0, 5), (5, 9)), 9)
+    assert not _windows_tile(windows((0, 5), (6, 9)), 9)
+    assert not _windows_tile(windows((1, 9)), 9)
+    assert not _windows_tile(windows((0, 5)), 9)
 
 
 def test_backward_windows_of_thd_hold_whole_sequences():

@@ -476,15 +476,25 @@ class CudnnKernel:
         scale: float,
         deterministic: bool,
         dkv_out: Optional[torch.Tensor] = None,
+        dq_out: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Gradients of every entry: ``dq`` ``[Tq, H, d]`` and ``dkv`` ``[2, M, G, d]`` (dK, dV;
         M = ``runs.mat_rows``). ``kv`` is the backward key buffer (entries do not overlap in it)
         or, with ``shared_keys_in_backward``, the compact keys themselves. Inputs contiguous.
-        ``dkv_out``: a ``dkv`` this kernel returned before, written into (``kernel.py``)."""
+        ``dkv_out``: a ``dkv`` this kernel returned before, written into; ``dq_out``: the
+        query gradient's buffer, written whole (``kernel.py``)."""
         tq, heads, dim = q.shape
         groups = kv.shape[1]
+        if dq_out is not None and (
+            dq_out.shape != q.shape or dq_out.dtype != q.dtype or not dq_out.is_contiguous()
+        ):
+            raise ValueError(
+                f"dq_out must be contiguous {tuple(q.shape)} {q.dtype}, got "
+                f"{tuple(dq_out.shape)} {dq_out.dtype}"
+            )
         if not runs.entries:
-            return torch.zeros_like(q), kv.new_zeros((2, runs.mat_rows, groups, dim))
+            dq = torch.zeros_like(q) if dq_out is None else dq_out.zero_()
+            return dq, kv.new_zeros((2, runs.mat_rows, groups, dim))
         options = self.options
         key = ("bwd", q.dtype, runs.batch, runs.max_q, runs.max_kv, heads, groups, dim, scale,
                deterministic, options.separate_key_gradients, options.exact_key_workspace,
@@ -500,9 +510,13 @@ class CudnnKernel:
                 handle, q.dtype, runs, totals, heads, groups, dim, scale, deterministic, options
             ),
         )
-        dq = (torch.empty if runs.rows_covered else torch.zeros)(
-            (tq, heads, dim), dtype=q.dtype, device=q.device
-        )
+        # cuDNN writes the entries' rows only: the others must read zero.
+        if dq_out is None:
+            dq = (torch.empty if runs.rows_covered else torch.zeros)(
+                (tq, heads, dim), dtype=q.dtype, device=q.device
+            )
+        else:
+            dq = dq_out if runs.rows_covered else dq_out.zero_()
         separate = options.separate_key_gradients
         if dkv_out is None:
             dk, dv, dkv = _key_gradient_buffers(kv, runs, separate)

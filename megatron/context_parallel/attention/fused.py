@@ -111,39 +111,57 @@ def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *arg
     Run as pieces where the kernel asks for them: the prefix and diagonal calls
     (``split_backward``, where ``runs.backward_split`` finds a second call worth it), each cut
     into windows of its rows (``backward_window_rows``, ``runs.backward_windows``). The pieces
-    write disjoint key-gradient rows of one buffer and their query gradients add (in the
-    inputs' type, one rounding a term as the split always did)."""
+    write disjoint key-gradient rows of one buffer. The first call's windows write their rows
+    of the query gradient in place (``dq_out``); a second call's query gradients are added (in
+    the inputs' type, one rounding a term as the split always did)."""
     split = runs.backward_split(kernel.split_margin) if kernel.split_backward else None
     parts = (runs,) if split is None else split
     rows = kernel.backward_window_rows(q.shape[1], q.shape[2])
-    pieces = parts if rows is None else tuple(w for p in parts for w in p.backward_windows(rows))
-    if pieces == (runs,):
+    cuts = [(p,) if rows is None else p.backward_windows(rows) for p in parts]
+    if len(parts) == 1 and cuts[0] == (runs,):
         return kernel.backward(q, keys, o, do, stats, runs, dev, *args)
     # Per-entry key copies are laid out like the key gradients: a window reads its rows.
     copies = runs.materialize and not kernel.shared_keys_in_backward
     dkv = kernel.key_gradients(keys, runs)
     dq = None
-    for piece in pieces:
-        pd = piece.on(q.device)
-        if piece.window is None:
-            dq_piece, _ = kernel.backward(q, keys, o, do, stats, piece, pd, *args, dkv_out=dkv)
-            if dq is None:  # the first piece's gradient (zero outside its entries) is the sum
-                dq = dq_piece
-            else:
-                dq.add_(dq_piece)
-            del dq_piece
-            continue
-        q_lo, q_hi, m_lo, m_hi = piece.window
-        rows_of = slice(q_lo, q_hi)
-        dq_piece, _ = kernel.backward(
-            q[rows_of], keys[m_lo:m_hi] if copies else keys, o[rows_of], do[rows_of],
-            stats[rows_of], piece, pd, *args, dkv_out=dkv[:, m_lo:m_hi],
-        )  # fmt: skip
-        if dq is None:
-            dq = torch.zeros_like(q)
-        dq[rows_of] += dq_piece
-        del dq_piece  # freed before the next window's call, whose workspace is the peak
+    if cuts[0][0].window is not None:
+        # Rows outside every window of the first call are never written there.
+        dq = (q.new_empty if _windows_tile(cuts[0], q.shape[0]) else q.new_zeros)(q.shape)
+    for first, pieces in zip((True,) + (False,) * (len(cuts) - 1), cuts):
+        for piece in pieces:
+            pd = piece.on(q.device)
+            if piece.window is None:
+                dq_piece, _ = kernel.backward(q, keys, o, do, stats, piece, pd, *args, dkv_out=dkv)
+                if dq is None:  # the first call's gradient (zero outside its entries) is the sum
+                    dq = dq_piece
+                else:
+                    dq.add_(dq_piece)
+                del dq_piece
+                continue
+            q_lo, q_hi, m_lo, m_hi = piece.window
+            rows_of = slice(q_lo, q_hi)
+            window_args = (
+                q[rows_of], keys[m_lo:m_hi] if copies else keys, o[rows_of], do[rows_of],
+                stats[rows_of], piece, pd, *args,
+            )  # fmt: skip
+            if first:
+                kernel.backward(*window_args, dkv_out=dkv[:, m_lo:m_hi], dq_out=dq[rows_of])
+                continue
+            dq_piece, _ = kernel.backward(*window_args, dkv_out=dkv[:, m_lo:m_hi])
+            dq[rows_of] += dq_piece
+            del dq_piece  # freed before the next window's call, whose workspace is the peak
     return dq, dkv
+
+
+def _windows_tile(windows, rows: int) -> bool:
+    """Whether the query rows of ``windows`` (``AttentionRuns.window``: ``q_lo, q_hi`` first,
+    in order) are ``[0, rows)`` without a gap."""
+    end = 0
+    for w in windows:
+        if w.window[0] != end:
+            return False
+        end = w.window[1]
+    return end == rows
 
 
 def _slot_gradients(dkeys: torch.Tensor, runs: AttentionRuns, dev) -> torch.Tensor:

@@ -67,9 +67,13 @@ class AttentionKernel(Protocol):
         scale: float,
         deterministic: bool,
         dkv_out: Optional[torch.Tensor] = None,
+        dq_out: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(dq, dkv)`` of every entry. With ``dkv_out`` (``[2, M, G, d]``: a ``dkv`` an
         earlier call returned, ``key_gradients``' buffer, or a window of its rows), the key
         gradients are written into it, rows no entry writes keep their values, and it is
-        returned (the pieces of a split or windowed backward)."""
+        returned (the pieces of a split or windowed backward). With ``dq_out`` (contiguous,
+        ``q``'s shape and dtype: a window's rows of the caller's query gradient), the query
+        gradients are written into it, rows outside every entry set to zero, and it is
+        returned."""
         ...
