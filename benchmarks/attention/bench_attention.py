@@ -108,14 +108,16 @@ BLOCK_VARIANTS = (
 # Kernel settings, for --kernel-variants (each timed and its extra memory measured): the
 # backward of causal calls unsplit or split at a lower margin, every causal diagonal
 # bottom-right (what the split backward and the top-left alignment replace), and the
-# backward's calls not cut into windows or cut at other workspace budgets.
+# backward's calls not cut into windows or cut at other workspace budgets, and the blocked
+# layout's level calls under the whole budget rather than their own.
 KERNEL_VARIANTS = (
     ("no-split", {}, {"split_backward": False}),
     ("split-1.05", {}, {"split_margin": 1.05}),
     ("bottom-right", {}, {"square_top_left": False}),
-    ("no-windows", {}, {"backward_workspace": None}),
+    ("no-windows", {}, {"backward_workspace": None, "level_workspace": None}),
     ("workspace-512MiB", {}, {"backward_workspace": 1 << 29}),
     ("workspace-1GiB", {}, {"backward_workspace": 1 << 30}),
+    ("levels-768MiB", {}, {"level_workspace": None}),
 )
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "attention"))
 from bench_attention import DIM, GROUPS, HEADS, _sequence, named_cases  # noqa: E402
 from timing import GiB, extra_peak_bytes  # noqa: E402
 
+from megatron.context_parallel.attention import cudnn as cudnn_kernel  # noqa: E402
 from megatron.context_parallel.attention.blocks import build_attention_tables  # noqa: E402
 from megatron.context_parallel.attention.fused import fused_attention  # noqa: E402
 
@@ -39,11 +40,14 @@ class ShapeKernel:
     split_backward = True
     split_margin = 1.10
 
-    def __init__(self, workspace_rows=39321):
-        self.workspace_rows = workspace_rows
+    def __init__(self, cudnn=cudnn_kernel.KERNEL):
+        self.cudnn = cudnn  # whose window budgets it takes
 
     def backward_window_rows(self, heads, dim):
-        return self.workspace_rows
+        return self.cudnn.backward_window_rows(heads, dim)
+
+    def for_levels(self):
+        return ShapeKernel(self.cudnn.for_levels())
 
     @staticmethod
     def key_gradients(kv, runs):

@@ -451,6 +451,55 @@ def test_kernels_meet_the_kernel_protocol():
     assert not isinstance(object(), AttentionKernel)
 
 
+def test_the_level_kernel_cuts_at_the_level_budget():
+    """``CudnnKernel.for_levels``: the same options under the smaller of the two budgets."""
+    whole = cudnn.CudnnKernel(cudnn.CudnnOptions(backward_workspace=3 << 28))
+    levels = whole.for_levels()
+    assert levels.backward_window_rows(40, 128) == (1 << 29) // (4 * 40 * 128)
+    assert whole.backward_window_rows(40, 128) == (3 << 28) // (4 * 40 * 128)
+    assert dataclasses.replace(levels.options, backward_workspace=3 << 28) == whole.options
+    assert whole.for_levels() is levels  # one per options
+    small = cudnn.CudnnKernel(cudnn.CudnnOptions(backward_workspace=1 << 20))
+    assert small.for_levels() is small
+    assert cudnn.CudnnKernel(cudnn.CudnnOptions(level_workspace=None)).for_levels().options == (
+        cudnn.CudnnOptions(level_workspace=None)
+    )
+    unbounded = cudnn.CudnnKernel(cudnn.CudnnOptions(backward_workspace=None))
+    assert unbounded.for_levels().backward_window_rows(8, 128) == (1 << 29) // (4 * 8 * 128)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_blocked_level_calls_run_on_the_level_kernel(seed):
+    """The level calls (and only they) run on ``kernel.for_levels()``: here one that cuts them
+    into windows of 12 rows, while the kernel itself cuts nothing."""
+    calls = {"whole": 0, "levels": []}
+
+    class Levels(ReferenceKernel):
+        window_rows = 12
+
+        @classmethod
+        def backward(cls, q, kv, o, do, stats, runs, *args, **kwargs):
+            calls["levels"].append(runs.window)
+            return super().backward(q, kv, o, do, stats, runs, *args, **kwargs)
+
+    class Whole(ReferenceKernel):
+        @classmethod
+        def for_levels(cls):
+            return Levels
+
+        @classmethod
+        def backward(cls, *args, **kwargs):
+            calls["whole"] += 1
+            return super().backward(*args, **kwargs)
+
+    plan, cu = _drawn_plan(seed, 2, 40, True, 0.0)
+    blocks = AttentionBlocks.build(plan, 0, _sequence(40, cu), group_rows=2)
+    _check_rank(plan, 0, cu, 2, 1, 4, seed, kernel=Whole, tables=blocks)
+    assert calls["whole"] == len(blocks.diagonal)
+    windows = sum(len(c.backward_windows(12)) for c in blocks.levels)
+    assert len(calls["levels"]) == windows > len(blocks.levels)
+
+
 def test_attention_settings_are_scoped_and_checked():
     before = current_attention_settings()
     with attention_settings(backend="dense", shape_reuse=1.5) as inside:

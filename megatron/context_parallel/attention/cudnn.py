@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -97,6 +97,13 @@ class CudnnOptions:
             over THD's 65,536 rows and 163,840 key-gradient rows at S = 131,072 (40 heads,
             d = 128) sizes 4.7 GB. Calls beyond this run over windows of their rows
             (``AttentionRuns.backward_windows``).
+        level_workspace: the same bound for the blocked layout's level calls
+            (``AttentionBlocks.levels``, through ``CudnnKernel.for_levels``), when smaller.
+            Those calls run beside the blocked backward's fp32 sums of the query and key
+            gradients, which a run layout's call does not hold: at S = 20,436, every row dealt
+            at random over CP 2, the first level call's 31,744 rows under 768 MiB put the
+            backward's peak at 1.04 GiB beyond the inputs, and 0.96 GiB cut at 512 MiB
+            (``probes/probe_backward_memory.py``). None: ``backward_workspace``.
     """
 
     shared_keys_in_backward: bool = True
@@ -107,6 +114,7 @@ class CudnnOptions:
     split_backward: bool = True
     split_margin: float = SPLIT_MARGIN
     backward_workspace: Optional[int] = 3 << 28
+    level_workspace: Optional[int] = 1 << 29
 
 
 def diagonal(runs, options: CudnnOptions) -> Optional[str]:
@@ -407,6 +415,20 @@ class CudnnKernel:
         budget = self.options.backward_workspace
         return None if budget is None else max(int(budget) // (4 * heads * dim), 1)
 
+    def for_levels(self) -> "CudnnKernel":
+        """The kernel of the blocked layout's level calls: these options under
+        ``level_workspace`` (``CudnnOptions``), or this kernel."""
+        options = self.options
+        level, whole = options.level_workspace, options.backward_workspace
+        if level is None or (whole is not None and whole <= level):
+            return self
+        kernel = _LEVEL_KERNELS.get(options)
+        if kernel is None:
+            kernel = _LEVEL_KERNELS[options] = CudnnKernel(
+                replace(options, backward_workspace=level)
+            )
+        return kernel
+
     def key_gradients(self, kv: torch.Tensor, runs) -> torch.Tensor:
         """The ``[2, M, G, d]`` buffer a call's backward writes its key gradients into, zero
         where no entry writes (given to the call's pieces as ``dkv_out``)."""
@@ -563,6 +585,8 @@ def _key_gradient_buffers(kv: torch.Tensor, runs, separate: bool):
 
 # The kernel ``fused_attention`` runs by default.
 KERNEL = CudnnKernel()
+# ``CudnnKernel.for_levels`` of each options seen (their graphs are shared anyway).
+_LEVEL_KERNELS: Dict[CudnnOptions, CudnnKernel] = {}
 
 
 def _padded_stats(stats: torch.Tensor, dev, runs, heads: int) -> torch.Tensor:

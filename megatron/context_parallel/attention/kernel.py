@@ -44,6 +44,12 @@ class AttentionKernel(Protocol):
         into windows (``AttentionRuns.backward_windows``); None: never cut."""
         ...
 
+    def for_levels(self) -> "AttentionKernel":
+        """The kernel of the blocked layout's level calls (the same computation; these run
+        beside the blocked backward's fp32 gradient sums, so a kernel may cut them into
+        smaller windows)."""
+        ...
+
     def key_gradients(self, kv: torch.Tensor, runs) -> torch.Tensor:
         """A ``dkv`` ``[2, M, G, d]`` for ``runs``' backward, zero where no entry writes: the
         caller hands it (or windows of its rows) to the call's pieces as ``dkv_out``."""
