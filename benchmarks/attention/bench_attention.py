@@ -17,8 +17,10 @@ Reported: median ms (CUDA events, methods timed in turns by ``timing.time_round_
 ratio to the floor, extra peak memory (``max_memory_allocated`` during the call minus what was
 allocated before it, minus the output and, for forward+backward, the gradients of Q and K/V),
 the max error against the dense fp32 computation on a slice of rows, the run tables' build
-time (host, per batch) against one layer's forward+backward, and cuDNN graph builds over 20
-batches of random plans.
+time (host, per batch) against one layer's forward+backward, the part of it left in the step
+when the tables were built and staged ahead (``staged``: ``ContextParallelParams.prepare`` in a
+data-loader thread leaves the device copy), and cuDNN graph builds over 20 batches of random
+plans.
 
 ``--model`` adds the GPTModel row: 4 layers shaped like a 27B dense model (hidden 5,120, 40/8
 heads, FFN 17,408), S = 20,436, the uneven plan's rank-0 rows run at CP 1 (a world-1 group,
@@ -393,6 +395,21 @@ class Case:
             self.runs.on(device)
 
         self.build_ms = time_ms(tables, device, 5, 1, clock="host")
+        # What is left in the step when the tables were built and staged ahead
+        # (ContextParallelParams.prepare in a data-loader thread): their copy to the device.
+        ahead = {}
+
+        def stage():
+            ahead["tables"] = build_attention_tables(plan, rank, self.sequence)
+            ahead["tables"].stage()
+
+        self.step_ms = None
+        if layout == "auto" and not build:
+            stage()
+            ahead["tables"].on(device)  # warm-up (time_ms's would skip ``before``)
+            self.step_ms = time_ms(
+                lambda: ahead["tables"].on(device), device, 5, 0, clock="host", before=stage
+            )
 
     def ours(self, backward, shared=True, kernel=None):
         """``fused_attention`` of the case on ``kernel`` (default: cuDNN with
@@ -610,6 +627,10 @@ def bench_case(
         "max err vs fp32": err,
         "tables ms": case.build_ms,
         "tables % of fwd+bwd": 100 * case.build_ms / t["ours fwd+bwd"],
+        "staged tables ms": case.step_ms,
+        "staged % of fwd+bwd": (
+            None if case.step_ms is None else (100 * case.step_ms / t["ours fwd+bwd"])
+        ),
     }
     for label, *_ in variants:
         if label in out_of_memory:
@@ -995,7 +1016,7 @@ def main():
     cols = ["case", "S", "rows", "ours fwd x", "ours fwd+bwd x", "flex fwd x", "flex fwd+bwd x"]
     cols += ["dense fwd x", "extra GiB fwd", "extra GiB fwd+bwd", "floor extra GiB fwd+bwd"]
     cols += ["max err vs fp32", "tables ms"]
-    cols += ["tables % of fwd+bwd"]
+    cols += ["tables % of fwd+bwd", "staged tables ms", "staged % of fwd+bwd"]
     if args.compare_layouts:
         cols += ["tables", "runs fwd x", "runs fwd+bwd x", "blocks fwd x", "blocks fwd+bwd x"]
     if args.block_variants:

@@ -6,13 +6,16 @@ warm-ups, in milliseconds:
 
 * ``build``: ``build_attention_tables`` (compact keys and the rank's run or blocked tables, C++);
 * ``host``: the per-call device layout on the host (``_host_tables``; runs only);
-* ``pack``: ``to_device``'s ``torch.cat`` of every table into one int64 tensor;
+* ``pack``: ``StagedTables``' ``torch.cat`` of every table into one int64 tensor;
 * ``pin``: ``pin_memory()`` of that tensor (the caching host allocator);
 * ``copy``: the non-blocking host-to-device copy and a synchronisation;
 * ``on``: the whole ``tables.on(cuda)`` (pack, pin, copy, int32 region, views) and a
   synchronisation;
 * ``busy``: host ms of ``build`` + ``on`` without a synchronisation while the GPU runs ~20 ms of
-  queued matmuls (as at a model's first attention layer): whether any step waits for the GPU.
+  queued matmuls (as at a model's first attention layer): whether any step waits for the GPU;
+* ``stage``: ``build`` and ``stage`` (every host layout and the pinned buffer: what
+  ``ContextParallelParams.prepare`` does off the step, in a data-loader thread);
+* ``staged on``: ``on(cuda)`` of tables staged ahead and a synchronisation (what the step keeps).
 
 Each case runs twice: on one intra-op thread (``serial``, the library's default,
 ``AttentionSettings.serial_host_ops``) and on torch's intra-op threads (``threads``).
@@ -67,6 +70,18 @@ def probe(plan, rank, seq, reps, busy_work):
         clock="launch",
         before=busy_work,
     )
+    row["stage"] = median_ms(lambda: build_attention_tables(plan, rank, seq).stage(), reps)
+    ahead = {}
+
+    def stage():
+        ahead["tables"] = build_attention_tables(plan, rank, seq)
+        ahead["tables"].stage()
+
+    stage()
+    ahead["tables"].on(dev)
+    row["staged on"] = time_ms(
+        lambda: ahead["tables"].on(dev), dev, reps, 0, clock="host", before=stage
+    )
     row["layout"] = "runs" if isinstance(tables, AttentionRuns) else "blocks"
     return row
 
@@ -85,7 +100,8 @@ def main():
         for _ in range(20):  # ~1 ms each on an H100
             a @ a
 
-    keys = ("build", "host", "pack", "pin", "copy", "on", "build + on", "busy")
+    keys = ("build", "host", "pack", "pin", "copy", "on", "build + on", "busy", "stage")
+    keys += ("staged on",)
     print("| case | layout | host ops | " + " | ".join(keys) + " |")
     print("|---|---|---|" + "---:|" * len(keys))
     chosen = selected_cases(args.seq_len, named=True) if args.named else cases(args.seq_len)

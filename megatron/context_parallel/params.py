@@ -317,18 +317,24 @@ class ContextParallelParams(PackedSeqParams):
         )
 
     def prepare(self, device: Optional[Union[str, torch.device]] = None) -> "ContextParallelParams":
-        """Builds this batch's attention tables now (host) and copies them to ``device``.
+        """Builds this batch's attention tables now (host), lays them out for their copy, and
+        copies them to ``device``.
 
         The first attention layer would build them otherwise, on the host while the GPU runs
         the layers before it. Call this ahead to take that work off the step: in a data-loader
-        thread, or for the next micro-batch while the current one runs. Only the host build runs
-        off the calling thread safely; the device copy (``device``) belongs on the thread that
-        launches the step's kernels. Idempotent: later calls and the layers reuse the tables.
+        thread, or for the next micro-batch while the current one runs. Only the host work runs
+        off the calling thread safely: the build, and the layout of every table in one pinned
+        host buffer (``stage``), which leaves the first layer one host-to-device copy. The copy
+        itself (``device``) belongs on the thread that launches the step's kernels. Idempotent:
+        later calls and the layers reuse the tables.
 
         Returns:
             ``self``.
         """
         tables = self.runs
+        # Tree tables copy their own row maps; their kernel calls stage as run tables do.
+        for staged in _calls_of(tables) if isinstance(tables, TreeTables) else [tables]:
+            staged.stage()
         if device is not None:
             device = torch.device(device)
             tables.on(device)

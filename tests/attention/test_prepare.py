@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from _dist import run_distributed
 
 from megatron.context_parallel import ContextParallelParams, ContextParallelPlan, PrefixTree
-from megatron.context_parallel.attention.blocks import AttentionBlocks
-from megatron.context_parallel.attention.runs import AttentionRuns
+from megatron.context_parallel.attention.blocks import AttentionBlocks, build_attention_tables
+from megatron.context_parallel.attention.runs import AttentionRuns, StagedTables
 from megatron.context_parallel.attention.tree_tables import TreeTables
 
 SEQ = 2048
@@ -75,3 +76,79 @@ def test_prepare_from_a_background_thread():
     worker.join()
     built = params._per_batch["attention_runs"]
     assert params.runs is built
+    # The host layout of every call's copy is done too: the layers only copy.
+    assert all(c._derived.get("staged") is not None for c in [built.own, *built.levels])
+    runs = ContextParallelParams.for_plan(plan, None)
+    worker = threading.Thread(target=runs.prepare)
+    worker.start()
+    worker.join()
+    assert runs.runs._derived.get("staged") is not None and not runs.runs._device
+
+
+def _device_fields(dev) -> dict:
+    """The tensors of a ``DeviceRuns`` / ``DeviceBlocks`` by name (None kept)."""
+    names = [n for n in vars(dev) if not n.startswith("_") and n != "runs"]
+    return {n: getattr(dev, n) for n in names}
+
+
+def _same_fields(a, b) -> bool:
+    fa, fb = _device_fields(a), _device_fields(b)
+    return fa.keys() == fb.keys() and all(
+        (x is None and y is None)
+        or (x is not None and y is not None and x.dtype == y.dtype and torch.equal(x, y))
+        for x, y in zip(fa.values(), fb.values())
+    )
+
+
+def _calls(tables) -> list:
+    if isinstance(tables, AttentionBlocks):
+        return tables.calls()
+    return list(tables.backward_split() or ())
+
+
+@pytest.mark.parametrize("name", ["runs", "blocks"])
+def test_tables_staged_ahead_leave_the_layer_one_copy(monkeypatch, name):
+    """``stage`` (run in a thread, as a data-loader's) does every host layout; ``on`` then only
+    copies: with the host layout made to fail, it still gives the tables a fresh build gives,
+    for the whole call and the calls inside (the split backward's, the blocked layout's)."""
+    plan = CASES[name][0]
+    sequence = torch.zeros(SEQ, dtype=torch.int64)
+    staged = build_attention_tables(plan, 0, sequence)
+    worker = threading.Thread(target=staged.stage)
+    worker.start()
+    worker.join()
+
+    def no_host_work(*args, **kwargs):
+        raise AssertionError("host layout after staging")
+
+    cpu = torch.device("cpu")
+    with monkeypatch.context() as patched:
+        patched.setattr(AttentionRuns, "_host_tables", no_host_work)
+        mine = [staged.on(cpu)] + [c.on(cpu) for c in _calls(staged)]
+    fresh = build_attention_tables(plan, 0, sequence)
+    theirs = [fresh.on(cpu)] + [c.on(cpu) for c in _calls(fresh)]
+    assert len(mine) == len(theirs) > 1
+    for a, b in zip(mine, theirs):
+        assert _same_fields(a, b)
+
+
+def test_staged_tables_copy_every_table_once():
+    """``StagedTables``: dicts of int64 tables (None kept, any shape) come back equal, the
+    ``int32`` ones as int32, from one packed buffer."""
+    g = torch.Generator().manual_seed(0)
+    tables = [
+        {"a": torch.randint(-5, 9, (7,), generator=g), "b": None, "n": torch.arange(3)},
+        {"a": torch.randint(0, 9, (2, 3), generator=g), "n": torch.tensor([4, 5])},
+        {"b": None},
+    ]
+    packed = StagedTables(tables, int32=("n",))
+    assert packed.packed.numel() == 7 + 3 + 6 + 2
+    out = packed.to(torch.device("cpu"))
+    assert [list(t) for t in out] == [list(t) for t in tables]
+    for mine, theirs in zip(out, tables):
+        for name, value in theirs.items():
+            if value is None:
+                assert mine[name] is None
+                continue
+            assert mine[name].dtype == (torch.int32 if name == "n" else torch.int64)
+            assert torch.equal(mine[name].long(), value)

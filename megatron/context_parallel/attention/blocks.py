@@ -45,11 +45,12 @@ from megatron.context_parallel.attention.runs import (
     AttentionRuns,
     CompactKeys,
     ReadOnlyTables,
+    StagedTables,
     ascending_order,
+    can_pin,
     host_ops,
     run_entries,
     serial_host_ops,
-    to_device,
 )
 from megatron.context_parallel.comm.plan import ContextParallelPlan
 
@@ -230,26 +231,32 @@ class AttentionBlocks(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
-        with serial_host_ops():
-            host = {
-                "order": self.order,
-                "local_to_sorted": self.local_to_sorted,
-                "has_bulk": None if self.has_bulk is None else self.has_bulk.to(torch.int64),
-                "slot_rows": self.slot_rows,
-                "compact_slots": self.compact_slots,
-            }
-            calls = self.calls()
-            # One host-to-device copy for the blocks' tables and every call's.
-            moved, *per_call = to_device(
-                [host] + [c._host_tables() for c in calls], device, INT32_TABLES
-            )
-            for call, parts in zip(calls, per_call):
-                call._adopt(device, parts)
-            if moved["has_bulk"] is not None:
-                moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
-            out = DeviceBlocks(**moved)
+        moved, *per_call = self.stage().to(device)
+        for call, parts in zip(self.calls(), per_call):
+            call._adopt(device, parts)
+        if moved["has_bulk"] is not None:
+            moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
+        out = DeviceBlocks(**moved)
         self._device[device] = out
         return out
+
+    def stage(self) -> StagedTables:
+        """The host tables ``on`` copies (the blocks' and every call's, for one host-to-device
+        copy), laid out at the first call: host work alone, as ``AttentionRuns.stage``."""
+        staged = self._derived.get("staged")
+        if staged is None:
+            with serial_host_ops():
+                host = {
+                    "order": self.order,
+                    "local_to_sorted": self.local_to_sorted,
+                    "has_bulk": None if self.has_bulk is None else self.has_bulk.to(torch.int64),
+                    "slot_rows": self.slot_rows,
+                    "compact_slots": self.compact_slots,
+                }
+                tables = [host] + [c._host_tables() for c in self.calls()]
+                staged = StagedTables(tables, INT32_TABLES, can_pin())
+            self._derived["staged"] = staged
+        return staged
 
     def calls(self) -> List[AttentionRuns]:
         """Every kernel call of the forward and backward."""

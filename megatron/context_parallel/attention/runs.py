@@ -54,6 +54,7 @@ __all__ = [
     "CompactKeys",
     "DeviceRuns",
     "KernelShapes",
+    "StagedTables",
     "copy_numbers",
     "kernel_shapes",
     "recorded_shapes",
@@ -69,7 +70,7 @@ DEFAULT_MERGE_GAP = 64
 # cost (its own row passes) against the masked tiles a bottom-right backward does not skip.
 SPLIT_MARGIN = 1.10
 
-# The call tables the kernel reads as int32 (to_device converts them).
+# The call tables the kernel reads as int32 (``StagedTables.to`` converts them).
 INT32_TABLES = ("seq_len_q", "seq_len_kv")
 
 
@@ -176,35 +177,57 @@ class CompactKeys:
         self.sequence_start = _run_starts(self.sequence)
 
 
-def to_device(tables, device: torch.device, int32=()) -> list:
-    """Dicts of int64 host tensors (or None) on ``device`` in one host-to-device copy: the
-    same dicts, device tensors; those named in ``int32`` as int32 (one conversion for all).
+class StagedTables:
+    """Dicts of int64 host tensors (or None) packed into one host buffer, ready for ``to``'s
+    single host-to-device copy.
 
-    On CUDA the copy is from pinned memory and does not block the host: a copy from pageable
-    memory would wait for everything already queued on the stream, so tables built while the
-    GPU runs earlier layers would stall the host until the GPU drained.
+    Packing is host work alone, so it can run ahead of the step (``AttentionRuns.stage``, a
+    data-loader thread); ``to`` then copies and views. With ``pin`` the buffer is pinned, so the
+    copy does not block the host: a copy from pageable memory would wait for everything already
+    queued on the stream, so tables built while the GPU runs earlier layers would stall the host
+    until the GPU drained.
+
+    Args:
+        tables: the dicts (name -> int64 tensor or None).
+        int32: names converted to int32 on the device (their region converts as one tensor).
+        pin: pin the buffer (for a CUDA device; ``to`` pins an unpinned one itself).
     """
-    names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
-    # The int32 tables first: their region converts as one tensor.
-    names.sort(key=lambda name: name[1] not in int32)
-    narrow = sum(tables[i][k].numel() for i, k in names if k in int32)
-    flat = [tables[i][k].reshape(-1) for i, k in names]
-    packed = torch.cat(flat or [torch.zeros(0, dtype=torch.int64)])
-    if torch.device(device).type == "cuda":
-        # The caching host allocator keeps the pinned block until the copy has run.
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
-    sizes = [t.numel() for t in flat]
-    n32 = sum(1 for _, k in names if k in int32)
-    parts = list(packed[narrow:].split(sizes[n32:]))
-    if n32:
-        parts = list(packed[:narrow].to(torch.int32).split(sizes[:n32])) + parts
-    out = [{k: None for k in t} for t in tables]
-    for (i, k), part in zip(names, parts):
-        shape = tables[i][k].shape
-        out[i][k] = part if len(shape) == 1 else part.view(shape)
-    return out
+
+    def __init__(self, tables, int32=(), pin: bool = False):
+        names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
+        names.sort(key=lambda name: name[1] not in int32)
+        flat = [tables[i][k].reshape(-1) for i, k in names]
+        packed = torch.cat(flat or [torch.zeros(0, dtype=torch.int64)])
+        self.packed = packed.pin_memory() if pin else packed
+        self._template = [list(t) for t in tables]
+        self._names = names
+        self._shapes = [tables[i][k].shape for i, k in names]
+        self._sizes = [t.numel() for t in flat]
+        self._n32 = sum(1 for _, k in names if k in int32)
+        self._narrow = sum(self._sizes[: self._n32])
+
+    def to(self, device: torch.device) -> list:
+        """The dicts on ``device``: device tensors, the ``int32`` ones as int32."""
+        packed = self.packed
+        if torch.device(device).type == "cuda":
+            # The caching host allocator keeps the pinned block until the copy has run.
+            pinned = packed if packed.is_pinned() else packed.pin_memory()
+            packed = pinned.to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
+        n32, narrow, sizes = self._n32, self._narrow, self._sizes
+        parts = list(packed[narrow:].split(sizes[n32:]))
+        if n32:
+            parts = list(packed[:narrow].to(torch.int32).split(sizes[:n32])) + parts
+        out = [dict.fromkeys(t) for t in self._template]
+        for (i, k), shape, part in zip(self._names, self._shapes, parts):
+            out[i][k] = part if len(shape) == 1 else part.view(shape)
+        return out
+
+
+def can_pin() -> bool:
+    """Whether host tables staged ahead are pinned (a CUDA device is there to copy to)."""
+    return torch.cuda.is_available()
 
 
 # Kernel shapes. Every kernel plan (a cuDNN graph, ~0.1-0.2 s to build) is keyed by its shape
@@ -656,15 +679,24 @@ class AttentionRuns(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
-        with serial_host_ops():
-            # The split backward's two calls (if any) travel in the same copy: the backward
-            # then finds their tables on the device, with no host work of its own.
-            split = list(self.backward_split() or ())
-            tables = [self._host_tables()] + [c._host_tables(call_only=True) for c in split]
-            moved = to_device(tables, device, INT32_TABLES)
-            for call, parts in zip(split, moved[1:]):
-                call._adopt(device, parts)
-            return self._adopt(device, moved[0])
+        moved = self.stage().to(device)
+        for call, parts in zip(self.backward_split() or (), moved[1:]):
+            call._adopt(device, parts)
+        return self._adopt(device, moved[0])
+
+    def stage(self) -> StagedTables:
+        """The host tables ``on`` copies, laid out in one (pinned, where CUDA is there) host
+        buffer: done at the first call, host work alone, so a data-loader thread may call it
+        ahead of the step (``ContextParallelParams.prepare``) and leave ``on`` one copy."""
+        staged = self._derived.get("staged")
+        if staged is None:
+            with serial_host_ops():
+                # The split backward's two calls (if any) travel in the same copy: the backward
+                # then finds their tables on the device, with no host work of its own.
+                split = self.backward_split() or ()
+                tables = [self._host_tables()] + [c._host_tables(call_only=True) for c in split]
+                staged = self._derived["staged"] = StagedTables(tables, INT32_TABLES, can_pin())
+        return staged
 
     def backward_split(
         self, margin: float = SPLIT_MARGIN
