@@ -9,9 +9,11 @@ a ``cProfile`` of the calls' Python, heaviest functions first. ``--sync-check`` 
 forward+backward under ``torch.cuda.set_sync_debug_mode("error")`` (a synchronising CUDA call
 raises, naming where) and reports the caching allocator's device allocations, frees and retries
 during it (a ``cudaFree`` synchronises the device without the debug mode seeing it).
+``--gaps DIR`` profiles one forward+backward from an idle GPU and lists the GPU's idle gaps
+between kernels, each with the host ops under way when the kernel that ended it was launched.
 
 Usage: python benchmarks/probes/probe_attention_host.py [--cases zigzag_cp2,random_rows_cp2]
-       [--size 20436] [--reps 20] [--sync-check]
+       [--size 20436] [--reps 20] [--sync-check | --forward | --gaps DIR]
 """
 
 from __future__ import annotations
@@ -99,6 +101,51 @@ def _sync_check(case) -> str:
     return f"{found}\nallocator during the call: {counts}"
 
 
+def _gaps(case, out_dir: str, name: str) -> str:
+    """One forward+backward from an idle GPU (as ``bench_attention`` times it), profiled: the
+    GPU's idle gaps between kernels, longest first, each with the kernel that ended it and the
+    host ops under way when that kernel was launched (the trace is written to ``out_dir``)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        case.ours(True)
+        torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"trace_{name}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    launch = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"}
+    host = [e for e in events if e.get("cat") in ("cpu_op", "python_function")]
+    if not gpu:
+        return f"{name}: no GPU events in the trace"
+    busy = sum(e["dur"] for e in gpu)
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    gaps, end = [], gpu[0]["ts"]
+    for e in gpu:
+        if e["ts"] - end > 10:
+            gaps.append((e["ts"] - end, e))
+        end = max(end, e["ts"] + e["dur"])
+    lines = [
+        f"{name}: kernels {busy / 1e3:.2f} ms over {span / 1e3:.2f} ms from the first to the "
+        f"last; {len(gaps)} gaps over 10 us, {sum(g for g, _ in gaps) / 1e3:.2f} ms"
+    ]
+    for gap, e in sorted(gaps, key=lambda g: -g[0])[:12]:
+        call = launch.get(e["args"].get("correlation"))
+        under = []
+        if call is not None:
+            t = call["ts"]
+            under = [h["name"] for h in host if h["ts"] <= t <= h["ts"] + h["dur"]]
+        lines.append(f"  {gap:8.1f} us before {e['name'][:60]} | launched in {' > '.join(under)}")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="zigzag_cp2,packed_cut_1seq_cp4,random_rows_cp2")
@@ -108,11 +155,19 @@ def main():
     ap.add_argument(
         "--forward", action="store_true", help="profile the forward alone, by cumulative time"
     )
+    ap.add_argument(
+        "--gaps",
+        metavar="DIR",
+        help="only profile one forward+backward from an idle GPU: its idle gaps (trace to DIR)",
+    )
     args = ap.parse_args()
     device = torch.device("cuda")
     for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
         case = Case(plan, rank, cu, device)
         case.ours(True)
+        if args.gaps:
+            print(_gaps(case, args.gaps, f"{name.split()[0]}_{args.size}"), flush=True)
+            continue
         if args.sync_check:
             print(f"{name} S={args.size}: {case.runs.describe()}\n{_sync_check(case)}", flush=True)
             continue
