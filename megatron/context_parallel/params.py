@@ -332,9 +332,10 @@ class ContextParallelParams(PackedSeqParams):
             ``self``.
         """
         tables = self.runs
-        # Tree tables copy their own row maps; their kernel calls stage as run tables do.
-        for staged in _calls_of(tables) if isinstance(tables, TreeTables) else [tables]:
-            staged.stage()
+        tables.stage()
+        if isinstance(tables, TreeTables):  # its kernel calls copy their own tables
+            for call in _calls_of(tables):
+                call.stage()
         if device is not None:
             device = torch.device(device)
             tables.on(device)

@@ -14,6 +14,7 @@ import torch
 from _dist import run_distributed
 
 from megatron.context_parallel import ContextParallelParams, ContextParallelPlan, PrefixTree
+from megatron.context_parallel.attention import tree_tables
 from megatron.context_parallel.attention.blocks import AttentionBlocks, build_attention_tables
 from megatron.context_parallel.attention.runs import AttentionRuns, StagedTables
 from megatron.context_parallel.attention.tree_tables import TreeTables
@@ -85,36 +86,54 @@ def test_prepare_from_a_background_thread():
     assert runs.runs._derived.get("staged") is not None and not runs.runs._device
 
 
-def _device_fields(dev) -> dict:
-    """The tensors of a ``DeviceRuns`` / ``DeviceBlocks`` by name (None kept)."""
-    names = [n for n in vars(dev) if not n.startswith("_") and n != "runs"]
-    return {n: getattr(dev, n) for n in names}
-
-
-def _same_fields(a, b) -> bool:
-    fa, fb = _device_fields(a), _device_fields(b)
-    return fa.keys() == fb.keys() and all(
-        (x is None and y is None)
-        or (x is not None and y is not None and x.dtype == y.dtype and torch.equal(x, y))
-        for x, y in zip(fa.values(), fb.values())
-    )
+def _same(a, b) -> bool:
+    """Equal device tables: tensors (dtype and values), None, slices, lists and tuples of them,
+    and the tensor fields of a ``DeviceRuns`` / ``DeviceBlocks`` / ``DeviceTreeTables``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if a is None or isinstance(a, slice):
+        return a == b
+    fa = {n: v for n, v in vars(a).items() if not n.startswith("_") and n != "runs"}
+    fb = {n: v for n, v in vars(b).items() if not n.startswith("_") and n != "runs"}
+    return fa.keys() == fb.keys() and all(_same(fa[n], fb[n]) for n in fa)
 
 
 def _calls(tables) -> list:
     if isinstance(tables, AttentionBlocks):
         return tables.calls()
+    if isinstance(tables, TreeTables):
+        return [tables.own, *tables.levels]
     return list(tables.backward_split() or ())
 
 
-@pytest.mark.parametrize("name", ["runs", "blocks"])
+def _build(name):
+    plan, tree, _ = CASES[name]
+    if tree is not None:
+        return TreeTables.build(plan, 0, tree)
+    return build_attention_tables(plan, 0, torch.zeros(SEQ, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("name", ["runs", "blocks", "tree"])
 def test_tables_staged_ahead_leave_the_layer_one_copy(monkeypatch, name):
     """``stage`` (run in a thread, as a data-loader's) does every host layout; ``on`` then only
     copies: with the host layout made to fail, it still gives the tables a fresh build gives,
-    for the whole call and the calls inside (the split backward's, the blocked layout's)."""
-    plan = CASES[name][0]
-    sequence = torch.zeros(SEQ, dtype=torch.int64)
-    staged = build_attention_tables(plan, 0, sequence)
-    worker = threading.Thread(target=staged.stage)
+    for the whole batch and the calls inside (the split backward's, the blocked layout's, the
+    tree's own part and levels)."""
+    staged = _build(name)
+
+    def stage_all():
+        staged.stage()
+        for call in _calls(staged) if isinstance(staged, TreeTables) else ():
+            call.stage()
+
+    worker = threading.Thread(target=stage_all)
     worker.start()
     worker.join()
 
@@ -124,12 +143,14 @@ def test_tables_staged_ahead_leave_the_layer_one_copy(monkeypatch, name):
     cpu = torch.device("cpu")
     with monkeypatch.context() as patched:
         patched.setattr(AttentionRuns, "_host_tables", no_host_work)
+        patched.setattr(tree_tables, "_copy_rounds", no_host_work)
+        patched.setattr(tree_tables, "_as_slice", no_host_work)
         mine = [staged.on(cpu)] + [c.on(cpu) for c in _calls(staged)]
-    fresh = build_attention_tables(plan, 0, sequence)
+    fresh = _build(name)
     theirs = [fresh.on(cpu)] + [c.on(cpu) for c in _calls(fresh)]
     assert len(mine) == len(theirs) > 1
     for a, b in zip(mine, theirs):
-        assert _same_fields(a, b)
+        assert _same(a, b)
 
 
 def test_staged_tables_copy_every_table_once():

@@ -36,7 +36,9 @@ from megatron.context_parallel.attention.runs import (
     AttentionRuns,
     CompactKeys,
     ReadOnlyTables,
+    StagedTables,
     ascending_order,
+    can_pin,
     copy_numbers,
     serial_host_ops,
 )
@@ -139,28 +141,46 @@ class TreeTables(ReadOnlyTables):
         )
 
     def on(self, device: torch.device) -> DeviceTreeTables:
-        """The device tables (built on first use per device, then shared by every layer)."""
+        """The device tables (built on first use per device, then shared by every layer; the
+        kernel calls ``own`` and ``levels`` copy their own at their first use)."""
         device = torch.device(device)
         cached = self._device.get(device)
         if cached is None:
-            own = self.own
-            if own.materialize:
-                rounds = _copy_rounds(own.kv_source)
-            else:
-                rounds = [(torch.arange(own.mat_rows), None)]
-
-            def put(t):
-                return None if t is None else t.to(device)
-
+            (moved,) = self.stage().to(device)
             cached = DeviceTreeTables(
-                level_rows=[put(r) for r in self.level_rows],
-                level_slices=[_as_slice(r) for r in self.level_rows],
-                own_rounds=[(put(dst), put(src)) for dst, src in rounds],
-                compact_slots=put(self.compact_slots),
-                slot_rows=put(self.slot_rows),
+                level_rows=[moved[f"level {i}"] for i in range(len(self.level_rows))],
+                level_slices=self._derived["level_slices"],
+                own_rounds=[
+                    (moved[f"own dst {j}"], moved[f"own src {j}"])
+                    for j in range(self._derived["own_rounds"])
+                ],
+                compact_slots=moved["compact_slots"],
+                slot_rows=moved["slot_rows"],
             )
             self._device[device] = cached
         return cached
+
+    def stage(self) -> StagedTables:
+        """The host tables ``on`` copies (the levels' rows, the own part's copy rounds, the slot
+        maps), laid out in one (pinned, where CUDA is there) host buffer at the first call: host
+        work alone, as ``AttentionRuns.stage``; the kernel calls stage their own."""
+        staged = self._derived.get("staged")
+        if staged is None:
+            with serial_host_ops():
+                own = self.own
+                if own.materialize:
+                    rounds = _copy_rounds(own.kv_source)
+                else:
+                    rounds = [(torch.arange(own.mat_rows), None)]
+                host = {"compact_slots": self.compact_slots, "slot_rows": self.slot_rows}
+                host.update((f"level {i}", rows) for i, rows in enumerate(self.level_rows))
+                for j, (dst, src) in enumerate(rounds):
+                    host[f"own dst {j}"], host[f"own src {j}"] = dst, src
+                self._derived["level_slices"] = [_as_slice(r) for r in self.level_rows]
+                self._derived["own_rounds"] = len(rounds)
+                staged = StagedTables([host], (), can_pin())
+            self._derived["staged"] = staged
+        return staged
 
     def describe(self) -> str:
         """One line for logs: the own part's entries and the ancestor calls' entries."""
