@@ -815,7 +815,8 @@ def model_row(device, reps):
 def tables_only(sizes, reps, device, select=cases, trees=()):
     """Per case (``select(seq_len)``, then the ``(name, PrefixTree)`` of ``trees`` at CP 1): ms
     to build this rank's tables and copy them to ``device`` (best of ``reps`` rounds, the two
-    builders in turns), C++ and torch ops; Markdown rows."""
+    builders in turns), C++ and torch ops, and (plans only) the copy alone of C++ tables built
+    and staged ahead (``stage``, as ``ContextParallelParams.prepare`` does); Markdown rows."""
     from megatron.context_parallel import _extension
 
     native_ops = _extension.host_tables()
@@ -836,10 +837,20 @@ def tables_only(sizes, reps, device, select=cases, trees=()):
         finally:
             _extension.host_tables = loader
 
+    def staged_on(make):
+        _extension.host_tables = lambda: native_ops
+        try:
+            tables = make()
+            tables.stage()
+            (ms,) = samples_ms(lambda: tables.on(device), device, 1, 0, clock="host")
+            return ms
+        finally:
+            _extension.host_tables = loader
+
     loader = _extension.host_tables
     lines = [
-        "| case | S | layout | C++ ms | torch ops ms | torch ops / C++ |",
-        "|---|---|---|---|---|---|",
+        "| case | S | layout | C++ ms | torch ops ms | torch ops / C++ | C++ staged ahead: on ms |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     def makers():
@@ -848,21 +859,24 @@ def tables_only(sizes, reps, device, select=cases, trees=()):
                 sequence = _sequence(plan.seq_len, cu)
                 yield name, seq_len, lambda p=plan, r=rank, s=sequence: build_attention_tables(
                     p, r, s
-                )
+                ), False
         for name, tree in trees:
             plan = ContextParallelPlan.contiguous(tree.seq_len, 1)
-            yield name, tree.seq_len, lambda p=plan, t=tree: tree_tables(p, t, device)
+            yield name, tree.seq_len, lambda p=plan, t=tree: tree_tables(p, t, device), True
 
-    for name, seq_len, make in makers():
-        best = {True: float("inf"), False: float("inf")}
+    for name, seq_len, make, is_tree in makers():
+        best = {True: float("inf"), False: float("inf"), "staged": float("inf")}
         for _ in range(reps + 2):  # two warm-up rounds
             for native in (True, False):
                 ms, tables = build(make, native)
                 best[native] = min(best[native], ms)
+            if not is_tree:  # a tree's maker copies its tables already
+                best["staged"] = min(best["staged"], staged_on(make))
         layout = type(tables).__name__.replace("Attention", "").lower()
+        staged = "-" if is_tree else f"{best['staged']:.3f}"
         lines.append(
             f"| {name} | {seq_len} | {layout} | {best[True]:.3f} | {best[False]:.2f} | "
-            f"{best[False] / best[True]:.1f} |"
+            f"{best[False] / best[True]:.1f} | {staged} |"
         )
         print(lines[-1], flush=True)
     return "\n".join(lines)
