@@ -22,6 +22,7 @@ from _attention_ref import (
     FreedBuffersWindowedReferenceKernel,
     ReferenceKernel,
     SharedKeysReferenceKernel,
+    SplitSharedKeysReferenceKernel,
     WindowedReferenceKernel,
     WindowedSplitSharedKeysReferenceKernel,
     backward_keeping,
@@ -785,6 +786,42 @@ def test_a_windowed_calls_query_gradient_is_zero_outside_its_entries(seed):
             windows = call.backward_windows(WindowedReferenceKernel.window_rows)
             gaps += windows[0].window is not None and not _windows_tile(windows, n)
     assert gaps  # some call's windows leave rows between them
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(2, 96),
+    packed=st.booleans(),
+    max_rows=st.integers(1, 120),
+)
+def test_the_split_backward_runs_its_diagonal_first(seed, cp, seq_len, packed, max_rows):
+    """A split call's backward starts with its diagonal call, whose windows tile the query rows
+    (every entry has a diagonal), so they write into an uninitialised buffer."""
+    causal = []
+
+    class Recording(SplitSharedKeysReferenceKernel):
+        split_margin = 1.0
+        window_rows = max_rows
+
+        @classmethod
+        def backward(cls, q, kv, o, do, stats, piece, *args, **kwargs):
+            causal.append(piece.causal)
+            return super().backward(q, kv, o, do, stats, piece, *args, **kwargs)
+
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, 0.0)
+    for rank in range(cp):
+        runs = _runs(plan, rank, cu, merge_gap=1)
+        split = runs.backward_split(margin=1.0)
+        if split is None:
+            continue
+        causal.clear()
+        _check_rank(plan, rank, cu, 2, 1, 4, seed, merge_gap=1, kernel=Recording, tables=runs)
+        assert causal == sorted(causal, reverse=True) and causal[0] and not causal[-1]
+        windows = split[1].backward_windows(max_rows)
+        if runs.rows_covered and windows[0].window is not None:
+            assert _windows_tile(windows, runs.query_rows)
 
 
 def test_windows_tile_their_rows_without_gaps():

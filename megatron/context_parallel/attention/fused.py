@@ -111,11 +111,15 @@ def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *arg
     Run as pieces where the kernel asks for them: the prefix and diagonal calls
     (``split_backward``, where ``runs.backward_split`` finds a second call worth it), each cut
     into windows of its rows (``backward_window_rows``, ``runs.backward_windows``). The pieces
-    write disjoint key-gradient rows of one buffer. The first call's windows write their rows
-    of the query gradient in place (``dq_out``); a second call's query gradients are added (in
-    the inputs' type, one rounding a term as the split always did)."""
+    write disjoint key-gradient rows of one buffer. The first call's windows (the diagonal's,
+    when split) write their rows of the query gradient in place (``dq_out``); the second call's
+    query gradients are added (in the inputs' type, one rounding a term as the split always
+    did)."""
     split = runs.backward_split(kernel.split_margin) if kernel.split_backward else None
-    parts = (runs,) if split is None else split
+    # The diagonal call first: it holds every entry, so its windows tile the query rows and
+    # write into an uninitialised buffer, where the prefix call's (entries without a prefix
+    # left out) would leave rows to zero first.
+    parts = (runs,) if split is None else split[::-1]
     rows = kernel.backward_window_rows(q.shape[1], q.shape[2])
     cuts = [(p,) if rows is None else p.backward_windows(rows) for p in parts]
     if len(parts) == 1 and cuts[0] == (runs,):
