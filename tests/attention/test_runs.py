@@ -678,14 +678,18 @@ def _rows_written(call, offset=(0, 0)):
     ]  # fmt: skip
 
 
-@settings(max_examples=40, deadline=None)
-@given(
+# A drawn plan and a window budget (query plus key-gradient rows).
+WINDOW_DRAWS = dict(
     seed=st.integers(0, 2**16),
     cp=st.integers(1, 4),
     seq_len=st.integers(2, 96),
     packed=st.booleans(),
     max_rows=st.integers(1, 120),
 )
+
+
+@settings(max_examples=40, deadline=None)
+@given(**WINDOW_DRAWS)
 def test_backward_windows_cover_each_entry_once(seed, cp, seq_len, packed, max_rows):
     """Windows hold every entry of the call once, in the call's order, each within its
     window's rows; a window spans at most ``max_rows`` query plus key-gradient rows unless it
@@ -789,13 +793,7 @@ def test_a_windowed_calls_query_gradient_is_zero_outside_its_entries(seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    cp=st.integers(1, 4),
-    seq_len=st.integers(2, 96),
-    packed=st.booleans(),
-    max_rows=st.integers(1, 120),
-)
+@given(**WINDOW_DRAWS)
 def test_the_split_backward_runs_its_diagonal_first(seed, cp, seq_len, packed, max_rows):
     """A split call's backward starts with its diagonal call, whose windows tile the query rows
     (every entry has a diagonal), so they write into an uninitialised buffer."""
