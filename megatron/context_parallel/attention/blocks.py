@@ -35,19 +35,16 @@ Everything is built once per batch on the host; ``on(device)`` copies it once pe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from megatron.context_parallel.attention.runs import (
     DEFAULT_MERGE_GAP,
-    INT32_TABLES,
     AttentionRuns,
     CompactKeys,
     ReadOnlyTables,
-    StagedTables,
     ascending_order,
-    can_pin,
     host_ops,
     run_entries,
     serial_host_ops,
@@ -240,23 +237,16 @@ class AttentionBlocks(ReadOnlyTables):
         self._device[device] = out
         return out
 
-    def stage(self) -> StagedTables:
-        """The host tables ``on`` copies (the blocks' and every call's, for one host-to-device
-        copy), laid out at the first call: host work alone, as ``AttentionRuns.stage``."""
-        staged = self._derived.get("staged")
-        if staged is None:
-            with serial_host_ops():
-                host = {
-                    "order": self.order,
-                    "local_to_sorted": self.local_to_sorted,
-                    "has_bulk": None if self.has_bulk is None else self.has_bulk.to(torch.int64),
-                    "slot_rows": self.slot_rows,
-                    "compact_slots": self.compact_slots,
-                }
-                tables = [host] + [c._host_tables() for c in self.calls()]
-                staged = StagedTables(tables, INT32_TABLES, can_pin())
-            self._derived["staged"] = staged
-        return staged
+    def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
+        # One host-to-device copy for the blocks' tables and every call's.
+        host = {
+            "order": self.order,
+            "local_to_sorted": self.local_to_sorted,
+            "has_bulk": None if self.has_bulk is None else self.has_bulk.to(torch.int64),
+            "slot_rows": self.slot_rows,
+            "compact_slots": self.compact_slots,
+        }
+        return [host] + [c._host_tables() for c in self.calls()]
 
     def calls(self) -> List[AttentionRuns]:
         """Every kernel call of the forward and backward."""

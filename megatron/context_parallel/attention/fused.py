@@ -131,7 +131,7 @@ def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *arg
     if cuts[0][0].window is not None:
         # Rows outside every window of the first call are never written there.
         dq = (q.new_empty if _windows_tile(cuts[0], q.shape[0]) else q.new_zeros)(q.shape)
-    for first, pieces in zip((True,) + (False,) * (len(cuts) - 1), cuts):
+    for part, pieces in enumerate(cuts):
         for piece in pieces:
             pd = piece.on(q.device)
             if piece.window is None:
@@ -148,7 +148,7 @@ def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *arg
                 q[rows_of], keys[m_lo:m_hi] if copies else keys, o[rows_of], do[rows_of],
                 stats[rows_of], piece, pd, *args,
             )  # fmt: skip
-            if first:
+            if part == 0:
                 kernel.backward(*window_args, dkv_out=dkv[:, m_lo:m_hi], dq_out=dq[rows_of])
                 continue
             dq_piece, _ = kernel.backward(*window_args, dkv_out=dkv[:, m_lo:m_hi])

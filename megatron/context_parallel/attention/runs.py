@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -202,9 +202,7 @@ class StagedTables:
         self._template = [list(t) for t in tables]
         self._names = names
         self._shapes = [tables[i][k].shape for i, k in names]
-        self._sizes = [t.numel() for t in flat]
         self._n32 = sum(1 for _, k in names if k in int32)
-        self._narrow = sum(self._sizes[: self._n32])
 
     def to(self, device: torch.device) -> list:
         """The dicts on ``device``: device tensors, the ``int32`` ones as int32."""
@@ -215,7 +213,8 @@ class StagedTables:
             packed = pinned.to(device, non_blocking=True)
         else:
             packed = packed.to(device)
-        n32, narrow, sizes = self._n32, self._narrow, self._sizes
+        n32, sizes = self._n32, [shape.numel() for shape in self._shapes]
+        narrow = sum(sizes[:n32])
         parts = list(packed[narrow:].split(sizes[n32:]))
         if n32:
             parts = list(packed[:narrow].to(torch.int32).split(sizes[:n32])) + parts
@@ -223,11 +222,6 @@ class StagedTables:
         for (i, k), shape, part in zip(self._names, self._shapes, parts):
             out[i][k] = part if len(shape) == 1 else part.view(shape)
         return out
-
-
-def can_pin() -> bool:
-    """Whether host tables staged ahead are pinned (a CUDA device is there to copy to)."""
-    return torch.cuda.is_available()
 
 
 # Kernel shapes. Every kernel plan (a cuDNN graph, ~0.1-0.2 s to build) is keyed by its shape
@@ -433,7 +427,8 @@ class DeviceRuns:
 
 class ReadOnlyTables:
     """Host tables set once at construction (keyword arguments), then read-only; device copies
-    are cached per device in ``_device``."""
+    are cached per device in ``_device``, from the host layout ``stage`` makes once
+    (``_copied_tables``: the dicts of int64 host tensors ``on`` copies)."""
 
     def __init__(self, **values):
         for name, value in values.items():
@@ -443,6 +438,22 @@ class ReadOnlyTables:
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is read-only (cannot set {name!r})")
+
+    def stage(self) -> StagedTables:
+        """The host tables ``on`` copies, laid out in one (pinned, where CUDA is there) host
+        buffer at the first call: host work alone, so a data-loader thread may call it ahead of
+        the step (``ContextParallelParams.prepare``) and leave ``on`` one copy."""
+        staged = self._derived.get("staged")
+        if staged is None:
+            with serial_host_ops():
+                # Pinned where a CUDA device is there to copy to.
+                pin = torch.cuda.is_available()
+                staged = StagedTables(self._copied_tables(), INT32_TABLES, pin)
+                self._derived["staged"] = staged
+        return staged
+
+    def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
+        raise NotImplementedError
 
 
 class AttentionRuns(ReadOnlyTables):
@@ -684,19 +695,11 @@ class AttentionRuns(ReadOnlyTables):
             call._adopt(device, parts)
         return self._adopt(device, moved[0])
 
-    def stage(self) -> StagedTables:
-        """The host tables ``on`` copies, laid out in one (pinned, where CUDA is there) host
-        buffer: done at the first call, host work alone, so a data-loader thread may call it
-        ahead of the step (``ContextParallelParams.prepare``) and leave ``on`` one copy."""
-        staged = self._derived.get("staged")
-        if staged is None:
-            with serial_host_ops():
-                # The split backward's two calls (if any) travel in the same copy: the backward
-                # then finds their tables on the device, with no host work of its own.
-                split = self.backward_split() or ()
-                tables = [self._host_tables()] + [c._host_tables(call_only=True) for c in split]
-                staged = self._derived["staged"] = StagedTables(tables, INT32_TABLES, can_pin())
-        return staged
+    def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
+        # The split backward's two calls (if any) travel in the same copy: the backward then
+        # finds their tables on the device, with no host work of its own.
+        split = self.backward_split() or ()
+        return [self._host_tables()] + [c._host_tables(call_only=True) for c in split]
 
     def backward_split(
         self, margin: float = SPLIT_MARGIN

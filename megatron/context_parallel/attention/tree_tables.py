@@ -28,7 +28,7 @@ device and every layer shares it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,9 +36,7 @@ from megatron.context_parallel.attention.runs import (
     AttentionRuns,
     CompactKeys,
     ReadOnlyTables,
-    StagedTables,
     ascending_order,
-    can_pin,
     copy_numbers,
     serial_host_ops,
 )
@@ -160,27 +158,21 @@ class TreeTables(ReadOnlyTables):
             self._device[device] = cached
         return cached
 
-    def stage(self) -> StagedTables:
-        """The host tables ``on`` copies (the levels' rows, the own part's copy rounds, the slot
-        maps), laid out in one (pinned, where CUDA is there) host buffer at the first call: host
-        work alone, as ``AttentionRuns.stage``; the kernel calls stage their own."""
-        staged = self._derived.get("staged")
-        if staged is None:
-            with serial_host_ops():
-                own = self.own
-                if own.materialize:
-                    rounds = _copy_rounds(own.kv_source)
-                else:
-                    rounds = [(torch.arange(own.mat_rows), None)]
-                host = {"compact_slots": self.compact_slots, "slot_rows": self.slot_rows}
-                host.update((f"level {i}", rows) for i, rows in enumerate(self.level_rows))
-                for j, (dst, src) in enumerate(rounds):
-                    host[f"own dst {j}"], host[f"own src {j}"] = dst, src
-                self._derived["level_slices"] = [_as_slice(r) for r in self.level_rows]
-                self._derived["own_rounds"] = len(rounds)
-                staged = StagedTables([host], (), can_pin())
-            self._derived["staged"] = staged
-        return staged
+    def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
+        # The levels' rows, the own part's copy rounds and the slot maps in one copy (the
+        # kernel calls stage their own); the levels' slices are host work of the same pass.
+        own = self.own
+        if own.materialize:
+            rounds = _copy_rounds(own.kv_source)
+        else:
+            rounds = [(torch.arange(own.mat_rows), None)]
+        host = {"compact_slots": self.compact_slots, "slot_rows": self.slot_rows}
+        host.update((f"level {i}", rows) for i, rows in enumerate(self.level_rows))
+        for j, (dst, src) in enumerate(rounds):
+            host[f"own dst {j}"], host[f"own src {j}"] = dst, src
+        self._derived["level_slices"] = [_as_slice(r) for r in self.level_rows]
+        self._derived["own_rounds"] = len(rounds)
+        return [host]
 
     def describe(self) -> str:
         """One line for logs: the own part's entries and the ancestor calls' entries."""
