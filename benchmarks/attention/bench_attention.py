@@ -364,6 +364,21 @@ def sdpa_floor(lengths, reps, device):
     return {n: _sdpa_times(n, reps, device) for n in sorted(set(lengths))}
 
 
+def staged_on_ms(make, device, reps: int) -> float:
+    """Median ms of ``on(device)`` (synchronised) of tables ``make()`` built and staged ahead,
+    untimed (``stage``, as ``ContextParallelParams.prepare`` does in a data-loader thread): what
+    a prepared batch's tables leave the step, their copy to the device."""
+    ahead = {}
+
+    def stage():
+        ahead["tables"] = make()
+        ahead["tables"].stage()
+
+    stage()
+    ahead["tables"].on(device)  # warm-up (time_ms's own would skip ``before``)
+    return time_ms(lambda: ahead["tables"].on(device), device, reps, 0, clock="host", before=stage)
+
+
 class Case:
     """Inputs of one rank's rows: query [n, H, d], K/V slots [cp * max_count, G, 2d]."""
 
@@ -395,20 +410,10 @@ class Case:
             self.runs.on(device)
 
         self.build_ms = time_ms(tables, device, 5, 1, clock="host")
-        # What is left in the step when the tables were built and staged ahead
-        # (ContextParallelParams.prepare in a data-loader thread): their copy to the device.
-        ahead = {}
-
-        def stage():
-            ahead["tables"] = build_attention_tables(plan, rank, self.sequence)
-            ahead["tables"].stage()
-
         self.step_ms = None
         if layout == "auto" and not build:
-            stage()
-            ahead["tables"].on(device)  # warm-up (time_ms's would skip ``before``)
-            self.step_ms = time_ms(
-                lambda: ahead["tables"].on(device), device, 5, 0, clock="host", before=stage
+            self.step_ms = staged_on_ms(
+                lambda: build_attention_tables(plan, rank, self.sequence), device, 5
             )
 
     def ours(self, backward, shared=True, kernel=None):
@@ -840,10 +845,7 @@ def tables_only(sizes, reps, device, select=cases, trees=()):
     def staged_on(make):
         _extension.host_tables = lambda: native_ops
         try:
-            tables = make()
-            tables.stage()
-            (ms,) = samples_ms(lambda: tables.on(device), device, 1, 0, clock="host")
-            return ms
+            return staged_on_ms(make, device, 1)
         finally:
             _extension.host_tables = loader
 

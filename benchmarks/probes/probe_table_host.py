@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "attention"))
-from bench_attention import _sequence, cases, selected_cases  # noqa: E402
+from bench_attention import _sequence, cases, selected_cases, staged_on_ms  # noqa: E402
 from timing import time_ms  # noqa: E402
 
 from megatron.context_parallel.attention.blocks import build_attention_tables  # noqa: E402
@@ -71,17 +71,7 @@ def probe(plan, rank, seq, reps, busy_work):
         before=busy_work,
     )
     row["stage"] = median_ms(lambda: build_attention_tables(plan, rank, seq).stage(), reps)
-    ahead = {}
-
-    def stage():
-        ahead["tables"] = build_attention_tables(plan, rank, seq)
-        ahead["tables"].stage()
-
-    stage()
-    ahead["tables"].on(dev)
-    row["staged on"] = time_ms(
-        lambda: ahead["tables"].on(dev), dev, reps, 0, clock="host", before=stage
-    )
+    row["staged on"] = staged_on_ms(lambda: build_attention_tables(plan, rank, seq), dev, reps)
     row["layout"] = "runs" if isinstance(tables, AttentionRuns) else "blocks"
     return row
 
