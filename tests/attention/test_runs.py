@@ -154,12 +154,18 @@ def _random_plan(draw_ints, seq_len, cp, unowned, cu):
     return ContextParallelPlan.from_rank_positions(ranks, seq_len, cu)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+# A plan for ``_drawn_plan``: up to four ranks over up to 48 positions, packed or not.
+PLAN_DRAWS = dict(
     seed=st.integers(0, 2**16),
     cp=st.integers(1, 4),
     seq_len=st.integers(1, 48),
     packed=st.booleans(),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    **PLAN_DRAWS,
     unowned=st.sampled_from([0.0, 0.2]),
     gqa=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
     merge_gap=st.sampled_from([1, 3, 64]),
@@ -739,10 +745,7 @@ def _fresh_buffers_read_nan():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    seed=st.integers(0, 2**16),
-    cp=st.integers(1, 4),
-    seq_len=st.integers(1, 48),
-    packed=st.booleans(),
+    **PLAN_DRAWS,
     unowned=st.sampled_from([0.0, 0.3]),
     blocked=st.booleans(),
     kernel=st.sampled_from([WindowedReferenceKernel, WindowedSplitSharedKeysReferenceKernel]),
