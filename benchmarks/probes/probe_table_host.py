@@ -15,12 +15,17 @@ warm-ups, in milliseconds:
   queued matmuls (as at a model's first attention layer): whether any step waits for the GPU;
 * ``stage``: ``build`` and ``stage`` (every host layout and the pinned buffer: what
   ``ContextParallelParams.prepare`` does off the step, in a data-loader thread);
-* ``staged on``: ``on(cuda)`` of tables staged ahead and a synchronisation (what the step keeps).
+* ``staged on``: ``on(cuda)`` of tables staged ahead and a synchronisation (what the step keeps);
+* with ``--step``, ``first use``: the host ms a step spends on a batch's tables staged ahead, the
+  tables the first layer derives on the device included (``DeviceRuns`` / ``DeviceBlocks``: key
+  sources, slot copies, offsets, statistics index): the launch time of ``on`` and one fused
+  forward+backward with fresh staged tables, less that of the forward+backward on tables already
+  on the device, the GPU kept busy in front of both (``step warm``: the latter).
 
 Each case runs twice: on one intra-op thread (``serial``, the library's default,
 ``AttentionSettings.serial_host_ops``) and on torch's intra-op threads (``threads``).
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/probe_table_host.py [--reps 20] [--named]
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_table_host.py [--reps 20] [--named] [--step]
 """
 
 import argparse
@@ -32,7 +37,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "attention"))
-from bench_attention import _sequence, cases, selected_cases, staged_on_ms  # noqa: E402
+from bench_attention import Case, _sequence, cases, selected_cases, staged_on_ms  # noqa: E402
 from timing import time_ms  # noqa: E402
 
 from megatron.context_parallel.attention.blocks import build_attention_tables  # noqa: E402
@@ -76,12 +81,45 @@ def probe(plan, rank, seq, reps, busy_work):
     return row
 
 
+def first_use(plan, rank, cu, reps):
+    """(``first use``, ``step warm``) ms of one case: see the module docstring."""
+    case = Case(plan, rank, cu, dev)
+    seq = case.sequence
+    warm = build_attention_tables(plan, rank, seq)
+    fresh = {}
+
+    def stage():
+        fresh["tables"] = build_attention_tables(plan, rank, seq)
+        fresh["tables"].stage()
+
+    def step_fresh():
+        case.runs = fresh["tables"]
+        case.runs.on(dev)
+        case.ours(True)
+
+    def step_warm():
+        case.runs = warm
+        case.ours(True)
+
+    stage()
+    step_fresh()  # warm-up: the kernels' graphs, the allocator's blocks
+    step_warm()
+    # The GPU spins 40 ms ahead of each call, longer than its host work, so no launch waits.
+    lead = dict(clock="launch", lead_ms=40.0)
+    warm_ms = time_ms(step_warm, dev, reps, 1, **lead)
+    fresh_ms = time_ms(step_fresh, dev, reps, 0, before=stage, **lead)
+    return fresh_ms - warm_ms, warm_ms
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=20436)
     parser.add_argument(
         "--named", action="store_true", help="bench_attention's named cases instead of its default"
+    )
+    parser.add_argument(
+        "--step", action="store_true", help="also the first layer's host cost (library defaults)"
     )
     args = parser.parse_args()
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -91,7 +129,7 @@ def main():
             a @ a
 
     keys = ("build", "host", "pack", "pin", "copy", "on", "build + on", "busy", "stage")
-    keys += ("staged on",)
+    keys += ("staged on",) + (("first use", "step warm") if args.step else ())
     print("| case | layout | host ops | " + " | ".join(keys) + " |")
     print("|---|---|---|" + "---:|" * len(keys))
     chosen = selected_cases(args.seq_len, named=True) if args.named else cases(args.seq_len)
@@ -99,6 +137,8 @@ def main():
         for serial in (False, True):
             with attention_settings(serial_host_ops=serial):
                 row = probe(plan, rank, _sequence(plan.seq_len, cu), args.reps, busy_work)
+                if args.step and serial:
+                    row["first use"], row["step warm"] = first_use(plan, rank, cu, args.reps)
             cells = [f"{row[k]:.3f}" if k in row else "-" for k in keys]
             mode = "serial" if serial else "threads"
             print(f"| {name} | {row['layout']} | {mode} | " + " | ".join(cells) + " |", flush=True)
