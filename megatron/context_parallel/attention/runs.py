@@ -197,8 +197,14 @@ class StagedTables:
         names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
         names.sort(key=lambda name: name[1] not in int32)
         flat = [tables[i][k].reshape(-1) for i, k in names]
-        packed = torch.cat(flat or [torch.zeros(0, dtype=torch.int64)])
-        self.packed = packed.pin_memory() if pin else packed
+        # Packed straight into pinned memory where pinned: the caching host allocator hands back
+        # a block already mapped, where a fresh pageable buffer would fault in every page and
+        # then be copied once more to pin it.
+        total = sum(t.numel() for t in flat)
+        packed = torch.empty(total, dtype=torch.int64, pin_memory=pin)
+        if flat:
+            torch.cat(flat, out=packed)
+        self.packed = packed
         self._template = [list(t) for t in tables]
         self._names = names
         self._shapes = [tables[i][k].shape for i, k in names]
