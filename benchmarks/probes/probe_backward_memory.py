@@ -10,8 +10,15 @@ profiler's allocation events), beyond the query, keys and their gradients, outpu
 gradient. It models where the blocked and run layouts' peak lies (which buffers are alive
 during which call) without a GPU; the GPU's own numbers are in RESULTS.md.
 
+With ``--table-ops`` it counts instead the host ops a step spends on a batch's tables built and
+staged ahead (``ContextParallelParams.prepare``): the top-level aten ops of ``on()`` and those
+of the device tables the first forward+backward derives from them (``DeviceRuns`` /
+``DeviceBlocks``: key sources, slot copies, entry rows; and, as cuDNN's calls derive them, the
+ragged offsets and the statistics index), the first call's ops less a second call's on the same
+tables. On a GPU each is a launch or a host-side tensor op of a few microseconds.
+
 Usage: python benchmarks/probes/probe_backward_memory.py [--cases random_rows_cp2,...]
-       [--size 20436]
+       [--size 20436] [--table-ops]
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import sys
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "attention"))
@@ -55,6 +63,12 @@ class ShapeKernel:
 
     @staticmethod
     def forward(q, kv, runs, dev, scale, want_stats):
+        heads, dim = q.shape[1], q.shape[2]
+        kv_tok = kv.shape[1] * kv.shape[2]
+        # The device tables cuDNN's forward derives (its ragged offsets), for --table-ops.
+        dev.offsets("q_rows", heads * dim), dev.offsets("kv_rows", kv_tok)
+        if want_stats:
+            dev.offsets("q_rows", heads)
         stats = torch.zeros(q.shape[:2], dtype=torch.float32) if want_stats else None
         return torch.zeros_like(q), stats
 
@@ -62,6 +76,9 @@ class ShapeKernel:
         self, q, kv, o, do, stats, runs, dev, scale, deterministic, dkv_out=None, dq_out=None
     ):
         heads, dim = q.shape[1], q.shape[2]
+        # The device tables cuDNN's backward derives (offsets, statistics index).
+        dev.offsets("q_rows", heads * dim), dev.offsets("mat_rows", kv.shape[1] * dim)
+        dev.offsets("kv_rows", kv.shape[1] * kv.shape[2]), dev.stats_index(runs.max_q)
         rows = runs.total_q + runs.total_mat
         padded = runs.batch * runs.max_q * heads * 4
         workspace = torch.empty(rows * 4 * heads * dim + 2 * padded, dtype=torch.uint8)
@@ -71,23 +88,43 @@ class ShapeKernel:
         return dq, dkv
 
 
+def host_ops(fn) -> int:
+    """Top-level aten ops (not those inside another aten op) that ``fn()`` runs."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    top = [e for e in prof.events() if e.name.startswith("aten::")]
+    return sum(1 for e in top if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="random_rows_cp2,block_shuffled_64_cp4,zigzag_cp2")
     ap.add_argument("--size", type=int, default=20436)
+    ap.add_argument("--table-ops", action="store_true", help="host ops of tables staged ahead")
     args = ap.parse_args()
     torch.set_num_threads(2)
     for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
         tables = build_attention_tables(plan, rank, _sequence(plan.seq_len, cu))
+        tables.stage()
         n = plan.counts[rank]
-        query = torch.zeros(n, HEADS, DIM, dtype=torch.bfloat16)
-        kv = torch.zeros(tables.slots, GROUPS, 2 * DIM, dtype=torch.bfloat16)
-        grad = torch.zeros(n, HEADS, DIM, dtype=torch.bfloat16)
+        # Heads and width do not change the op counts; the peak needs the real ones.
+        heads, groups, dim = (2, 1, 8) if args.table_ops else (HEADS, GROUPS, DIM)
+        query = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
+        kv = torch.zeros(tables.slots, groups, 2 * dim, dtype=torch.bfloat16)
+        grad = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
 
         def step(query=query, kv=kv, tables=tables, grad=grad):
             q, k = query.detach().requires_grad_(), kv.detach().requires_grad_()
             fused_attention(q, k, tables, DIM**-0.5, kernel=ShapeKernel()).backward(grad)
 
+        if args.table_ops:
+            copy = host_ops(lambda tables=tables: tables.on(torch.device("cpu")))
+            first, again = host_ops(step), host_ops(step)
+            print(
+                f"{name} S={args.size}: {tables.describe()}; host ops of tables staged ahead: "
+                f"on() {copy}, the first layer's derived tables {first - again}"
+            )
+            continue
         step()
         kept = 2 * query.numel() * 2 + kv.numel() * 2  # output and its gradient, dK / dV
         peak = extra_peak_bytes(step, torch.device("cpu"), kept)
