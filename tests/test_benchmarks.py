@@ -121,6 +121,19 @@ def test_probe_backward_memory_models_the_peaks_on_the_cpu():
     assert len(peaks) == 2 and all(p > 0 for p in peaks), out
 
 
+def test_probe_backward_memory_counts_the_table_ops_of_a_prepared_batch():
+    # on() and the first layer's derived tables each issue ops, the blocked layout's calls more.
+    args = ["--size", "4096", "--cases", "zigzag_cp2,random_rows_cp2", "--table-ops"]
+    out = _run(["benchmarks/probes/probe_backward_memory.py", *args])
+    counts = [
+        (int(line.split("on() ")[1].split(",")[0]), int(line.rsplit(" ", 1)[1]))
+        for line in out.splitlines()
+        if "host ops of tables staged ahead" in line
+    ]
+    assert len(counts) == 2 and all(a > 0 and b > 0 for a, b in counts), out
+    assert counts[1][1] > counts[0][1], out
+
+
 def test_bench_attention_tables_only_on_the_cpu():
     # Every case's tables build and copy on the CPU, by the C++ builders and the torch ops: the
     # default cases, every named plan kind (issue 44) and the GRPO trees (tiny ones here).
