@@ -324,8 +324,10 @@ class ContextParallelParams(PackedSeqParams):
         the layers before it. Call this ahead to take that work off the step: in a data-loader
         thread, or for the next micro-batch while the current one runs. Only the host work runs
         off the calling thread safely: the build, and the layout of every table in one pinned
-        host buffer (``stage``), which leaves the first layer one host-to-device copy. The copy
-        itself (``device``) belongs on the thread that launches the step's kernels. Idempotent:
+        host buffer (``stage``), which leaves the first layer one host-to-device copy and the
+        device tables it derives from it (a few dozen ops for run tables, one set per call for
+        the blocked layout). The copy itself (``device``) belongs on the thread that launches
+        the step's kernels. Idempotent:
         later calls and the layers reuse the tables.
 
         Returns:
