@@ -364,10 +364,11 @@ def sdpa_floor(lengths, reps, device):
     return {n: _sdpa_times(n, reps, device) for n in sorted(set(lengths))}
 
 
-def staged_on_ms(make, device, reps: int) -> float:
-    """Median ms of ``on(device)`` (synchronised) of tables ``make()`` built and staged ahead,
-    untimed (``stage``, as ``ContextParallelParams.prepare`` does in a data-loader thread): what
-    a prepared batch's tables leave the step, their copy to the device."""
+def staged_ahead(make):
+    """``(stage, ahead)``: ``stage()`` builds fresh tables ``make()`` and stages them (``stage``,
+    as ``ContextParallelParams.prepare`` does in a data-loader thread), ``ahead["tables"]`` the
+    latest; pass ``stage`` as a timing ``before`` so that each timed call finds a prepared
+    batch. Called once here, so ``ahead`` holds tables from the start."""
     ahead = {}
 
     def stage():
@@ -375,6 +376,13 @@ def staged_on_ms(make, device, reps: int) -> float:
         ahead["tables"].stage()
 
     stage()
+    return stage, ahead
+
+
+def staged_on_ms(make, device, reps: int) -> float:
+    """Median ms of ``on(device)`` (synchronised) of tables ``make()`` built and staged ahead,
+    untimed: what a prepared batch's tables leave the step, their copy to the device."""
+    stage, ahead = staged_ahead(make)
     ahead["tables"].on(device)  # warm-up (time_ms's own would skip ``before``)
     return time_ms(lambda: ahead["tables"].on(device), device, reps, 0, clock="host", before=stage)
 

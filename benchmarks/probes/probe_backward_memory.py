@@ -66,7 +66,8 @@ class ShapeKernel:
         heads, dim = q.shape[1], q.shape[2]
         kv_tok = kv.shape[1] * kv.shape[2]
         # The device tables cuDNN's forward derives (its ragged offsets), for --table-ops.
-        dev.offsets("q_rows", heads * dim), dev.offsets("kv_rows", kv_tok)
+        dev.offsets("q_rows", heads * dim)
+        dev.offsets("kv_rows", kv_tok)
         if want_stats:
             dev.offsets("q_rows", heads)
         stats = torch.zeros(q.shape[:2], dtype=torch.float32) if want_stats else None
@@ -77,8 +78,10 @@ class ShapeKernel:
     ):
         heads, dim = q.shape[1], q.shape[2]
         # The device tables cuDNN's backward derives (offsets, statistics index).
-        dev.offsets("q_rows", heads * dim), dev.offsets("mat_rows", kv.shape[1] * dim)
-        dev.offsets("kv_rows", kv.shape[1] * kv.shape[2]), dev.stats_index(runs.max_q)
+        dev.offsets("q_rows", heads * dim)
+        dev.offsets("mat_rows", kv.shape[1] * dim)
+        dev.offsets("kv_rows", kv.shape[1] * kv.shape[2])
+        dev.stats_index(runs.max_q)
         rows = runs.total_q + runs.total_mat
         padded = runs.batch * runs.max_q * heads * 4
         workspace = torch.empty(rows * 4 * heads * dim + 2 * padded, dtype=torch.uint8)
