@@ -327,8 +327,7 @@ class ContextParallelParams(PackedSeqParams):
         host buffer (``stage``), which leaves the first layer one host-to-device copy and the
         device tables it derives from it (a few dozen ops for run tables, one set per call for
         the blocked layout). The copy itself (``device``) belongs on the thread that launches
-        the step's kernels. Idempotent:
-        later calls and the layers reuse the tables.
+        the step's kernels. Idempotent: later calls and the layers reuse the tables.
 
         Returns:
             ``self``.
