@@ -24,6 +24,7 @@ LAYERS = [
         "attention.kernel",
         "attention.sums",
         "attention.cudnn",
+        "attention.staging",
         "attention.runs",
         "attention.blocks",
         "attention.tree_tables",

@@ -82,7 +82,7 @@ from megatron.context_parallel.attention.blocks import (  # noqa: E402
     AttentionBlocks,
     build_attention_tables,
 )
-from megatron.context_parallel.attention.fused import fused_attention  # noqa: E402
+from megatron.context_parallel.attention.fused import fused_attention, stage_backward  # noqa: E402
 from megatron.context_parallel.attention.runs import AttentionRuns  # noqa: E402
 
 HEADS, GROUPS, DIM = 40, 8, 128
@@ -364,16 +364,20 @@ def sdpa_floor(lengths, reps, device):
     return {n: _sdpa_times(n, reps, device) for n in sorted(set(lengths))}
 
 
-def staged_ahead(make):
+def staged_ahead(make, backward: bool = False):
     """``(stage, ahead)``: ``stage()`` builds fresh tables ``make()`` and stages them (``stage``,
-    as ``ContextParallelParams.prepare`` does in a data-loader thread), ``ahead["tables"]`` the
-    latest; pass ``stage`` as a timing ``before`` so that each timed call finds a prepared
-    batch. Called once here, so ``ahead`` holds tables from the start."""
+    as ``ContextParallelParams.prepare`` does in a data-loader thread; with ``backward`` also
+    the backward's parts and windows for these heads and head dim, as ``prepare(heads=,
+    head_dim=)`` does), ``ahead["tables"]`` the latest; pass ``stage`` as a timing ``before`` so
+    that each timed call finds a prepared batch. Called once here, so ``ahead`` holds tables
+    from the start."""
     ahead = {}
 
     def stage():
         ahead["tables"] = make()
         ahead["tables"].stage()
+        if backward:
+            stage_backward(ahead["tables"], HEADS, DIM)
 
     stage()
     return stage, ahead

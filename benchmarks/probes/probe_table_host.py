@@ -18,9 +18,11 @@ warm-ups, in milliseconds:
 * ``staged on``: ``on(cuda)`` of tables staged ahead and a synchronisation (what the step keeps);
 * with ``--step``, ``first use``: the host ms a step spends on a batch's tables staged ahead, the
   tables the first layer derives on the device included (``DeviceRuns`` / ``DeviceBlocks``: key
-  sources, slot copies, offsets, statistics index): the launch time of ``on`` and one fused
-  forward+backward with fresh staged tables, less that of the forward+backward on tables already
-  on the device, the GPU kept busy in front of both (``step warm``: the latter).
+  sources, slot copies, offsets, statistics index; the backward's parts and windows): the launch
+  time of ``on`` and one fused forward+backward with fresh staged tables, less that of the
+  forward+backward on tables already on the device, the GPU kept busy in front of both
+  (``step warm``: the latter); ``first use, bwd ahead``: the same with the backward's parts and
+  windows staged ahead too (``prepare(heads=, head_dim=)``).
 
 Each case runs twice: on one intra-op thread (``serial``, the library's default,
 ``AttentionSettings.serial_host_ops``) and on torch's intra-op threads (``threads``).
@@ -88,12 +90,13 @@ def probe(plan, rank, seq, reps, busy_work):
     return row
 
 
-def first_use(plan, rank, cu, reps):
-    """(``first use``, ``step warm``) ms of one case: see the module docstring."""
+def first_use(plan, rank, cu, reps, backward=False):
+    """(``first use``, ``step warm``) ms of one case: see the module docstring; ``backward``:
+    the backward's parts and windows staged ahead too (``first use, bwd ahead``)."""
     case = Case(plan, rank, cu, dev)
     seq = case.sequence
     warm = build_attention_tables(plan, rank, seq)
-    stage, fresh = staged_ahead(lambda: build_attention_tables(plan, rank, seq))
+    stage, fresh = staged_ahead(lambda: build_attention_tables(plan, rank, seq), backward)
 
     def step_fresh():
         case.runs = fresh["tables"]
@@ -131,7 +134,8 @@ def main():
             a @ a
 
     keys = ("build", "host", "pack", "pin", "copy", "on", "build + on", "busy", "stage")
-    keys += ("staged on",) + (("first use", "step warm") if args.step else ())
+    keys += ("staged on",)
+    keys += ("first use", "first use, bwd ahead", "step warm") if args.step else ()
     print("| case | layout | host ops | " + " | ".join(keys) + " |")
     print("|---|---|---|" + "---:|" * len(keys))
     chosen = selected_cases(args.seq_len, named=True) if args.named else cases(args.seq_len)
@@ -141,6 +145,7 @@ def main():
                 row = probe(plan, rank, _sequence(plan.seq_len, cu), args.reps, busy_work)
                 if args.step and serial:
                     row["first use"], row["step warm"] = first_use(plan, rank, cu, args.reps)
+                    row["first use, bwd ahead"], _ = first_use(plan, rank, cu, args.reps, True)
             cells = [f"{row[k]:.3f}" if k in row else "-" for k in keys]
             mode = "serial" if serial else "threads"
             print(f"| {name} | {row['layout']} | {mode} | " + " | ".join(cells) + " |", flush=True)

@@ -18,6 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron.context_parallel.attention.blocks import AttentionBlocks, build_attention_tables
+from megatron.context_parallel.attention.fused import stage_backward
 from megatron.context_parallel.attention.rotary import (
     check_rotary_module,
     megatron_rotary_is_exact,
@@ -316,7 +317,13 @@ class ContextParallelParams(PackedSeqParams):
             ),
         )
 
-    def prepare(self, device: Optional[Union[str, torch.device]] = None) -> "ContextParallelParams":
+    def prepare(
+        self,
+        device: Optional[Union[str, torch.device]] = None,
+        *,
+        heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+    ) -> "ContextParallelParams":
         """Builds this batch's attention tables now (host), lays them out for their copy, and
         copies them to ``device``.
 
@@ -325,9 +332,17 @@ class ContextParallelParams(PackedSeqParams):
         thread, or for the next micro-batch while the current one runs. Only the host work runs
         off the calling thread safely: the build, and the layout of every table in one pinned
         host buffer (``stage``), which leaves the first layer one host-to-device copy and the
-        device tables it derives from it (a few dozen ops for run tables, one set per call for
-        the blocked layout). The copy itself (``device``) belongs on the thread that launches
-        the step's kernels. Idempotent: later calls and the layers reuse the tables.
+        device tables it derives from it (a dozen ops per kind of table for all the calls of a
+        copy). The copy itself (``device``) belongs on the thread that launches the step's
+        kernels. Idempotent: later calls and the layers reuse the tables.
+
+        Args:
+            device: copy the tables there too (on the step's thread).
+            heads, head_dim: the query heads of the layers' attention on this rank and their
+                width; given both, the backward's parts and windows for the default kernel
+                (``fused.stage_backward``) are built and laid out too, which the first layer's
+                backward otherwise does (host work growing with the calls: a few ms for the
+                blocked layout at 131,072).
 
         Returns:
             ``self``.
@@ -337,6 +352,8 @@ class ContextParallelParams(PackedSeqParams):
         if isinstance(tables, TreeTables):  # its kernel calls copy their own tables
             for call in _calls_of(tables):
                 call.stage()
+        if heads is not None and head_dim is not None:
+            stage_backward(tables, heads, head_dim)
         if device is not None:
             device = torch.device(device)
             tables.on(device)

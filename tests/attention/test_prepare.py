@@ -11,15 +11,19 @@ import threading
 
 import pytest
 import torch
+from _attention_ref import WindowedSplitSharedKeysReferenceKernel
 from _dist import run_distributed
 
 from megatron.context_parallel import ContextParallelParams, ContextParallelPlan, PrefixTree
-from megatron.context_parallel.attention import tree_tables
+from megatron.context_parallel.attention import cudnn, tree_tables
 from megatron.context_parallel.attention.blocks import AttentionBlocks, build_attention_tables
-from megatron.context_parallel.attention.runs import AttentionRuns, StagedTables
+from megatron.context_parallel.attention.fused import fused_attention, stage_backward
+from megatron.context_parallel.attention.runs import AttentionRuns
+from megatron.context_parallel.attention.staging import StagedTables
 from megatron.context_parallel.attention.tree_tables import TreeTables
 
 SEQ = 2048
+CPU = torch.device("cpu")
 
 
 def _scattered() -> ContextParallelPlan:
@@ -100,8 +104,9 @@ def _same(a, b) -> bool:
         return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
     if a is None or isinstance(a, slice):
         return a == b
-    fa = {n: v for n, v in vars(a).items() if not n.startswith("_") and n != "runs"}
-    fb = {n: v for n, v in vars(b).items() if not n.startswith("_") and n != "runs"}
+    skip = ("runs", "group", "member")  # the host tables and the copy these came in
+    fa = {n: v for n, v in vars(a).items() if not n.startswith("_") and n not in skip}
+    fb = {n: v for n, v in vars(b).items() if not n.startswith("_") and n not in skip}
     return fa.keys() == fb.keys() and all(_same(fa[n], fb[n]) for n in fa)
 
 
@@ -173,3 +178,57 @@ def test_staged_tables_copy_every_table_once():
                 continue
             assert mine[name].dtype == (torch.int32 if name == "n" else torch.int64)
             assert torch.equal(mine[name].long(), value)
+
+
+@pytest.mark.parametrize("name", ["runs", "blocks", "tree"])
+def test_the_backward_staged_ahead_leaves_it_one_copy(monkeypatch, name):
+    """``stage_backward`` (in a thread, as ``prepare(heads=, head_dim=)`` runs it) cuts every
+    backward call into its parts and windows and lays their tables out; the backward then only
+    copies: with the host layout and the window cuts made to fail, a forward+backward gives
+    exactly what it gives on a fresh build."""
+    kernel, heads, dim = WindowedSplitSharedKeysReferenceKernel, 4, 8
+    staged = _build(name)
+
+    def stage_all():
+        staged.stage()
+        for call in _calls(staged) if isinstance(staged, TreeTables) else ():
+            call.stage()
+        stage_backward(staged, heads, dim, kernel)
+
+    worker = threading.Thread(target=stage_all)
+    worker.start()
+    worker.join()
+    pieces, ahead = stage_backward(staged, heads, dim, kernel)
+    assert len(pieces) >= 2 and ahead is not None
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(staged.rows, heads, dim, generator=g, dtype=torch.float64)
+    kv = torch.randn(staged.slots, 2, 2 * dim, generator=g, dtype=torch.float64)
+    grad = torch.randn(q.shape, generator=g, dtype=torch.float64)
+
+    def run(tables):
+        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out = fused_attention(qq, kk, tables, dim**-0.5, kernel=kernel)
+        out.backward(grad)
+        return out.detach(), qq.grad, kk.grad
+
+    def no_host_work(*args, **kwargs):
+        raise AssertionError("host layout after staging")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(AttentionRuns, "_host_tables", no_host_work)
+        patched.setattr(AttentionRuns, "_windows", no_host_work)
+        patched.setattr(tree_tables, "_copy_rounds", no_host_work)
+        mine = run(staged)
+    assert all(CPU in p._device for p in pieces)
+    for a, b in zip(mine, run(_build(name))):
+        assert torch.equal(a, b)
+
+
+def test_prepare_with_the_layer_shape_stages_the_backward():
+    """``prepare(heads=, head_dim=)`` stages the default kernel's backward pieces once."""
+    params = ContextParallelParams.for_plan(ContextParallelPlan.contiguous(SEQ, 1), None)
+    params.prepare(heads=40, head_dim=128)
+    first = stage_backward(params.runs, 40, 128)
+    assert params.runs._derived[("backward", cudnn.KERNEL, 40, 128)] is first
+    assert stage_backward(params.runs, 40, 128) is first

@@ -228,9 +228,10 @@ class AttentionBlocks(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
-        moved, *per_call = self.stage().to(device)
-        for call, parts in zip(self.calls(), per_call):
-            call._adopt(device, parts)
+        group = self.stage().copy(device)
+        moved = group.tables[0]
+        for m, call in enumerate(self.calls(), 1):
+            call._adopt(device, group.tables[m], group, m)
         if moved["has_bulk"] is not None:
             moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
         out = DeviceBlocks(**moved)
@@ -247,6 +248,9 @@ class AttentionBlocks(ReadOnlyTables):
             "compact_slots": self.compact_slots,
         }
         return [host] + [c._host_tables() for c in self.calls()]
+
+    def _copied_calls(self) -> List[Optional[AttentionRuns]]:
+        return [None, *self.calls()]
 
     def calls(self) -> List[AttentionRuns]:
         """Every kernel call of the forward and backward."""

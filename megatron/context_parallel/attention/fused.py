@@ -20,7 +20,7 @@ against the dense attention.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -28,17 +28,19 @@ from megatron.context_parallel.attention import cudnn as cudnn_kernel
 from megatron.context_parallel.attention import sums
 from megatron.context_parallel.attention.blocks import AttentionBlocks
 from megatron.context_parallel.attention.kernel import AttentionKernel
-from megatron.context_parallel.attention.runs import AttentionRuns
+from megatron.context_parallel.attention.runs import AttentionRuns, adopt_calls, stage_calls
 from megatron.context_parallel.attention.settings import (
     current_attention_settings,
     set_attention_backend,
 )
+from megatron.context_parallel.attention.staging import StagedTables
 from megatron.context_parallel.attention.tree_tables import TreeTables
 from megatron.context_parallel.comm import row_ops
 
 __all__ = [
     "fused_attention",
     "select_backend",
+    "stage_backward",
     "set_attention_backend",
     "attention_backend",
 ]
@@ -105,6 +107,73 @@ def _keys_for(runs: AttentionRuns, kv: torch.Tensor, kernel: AttentionKernel) ->
     return row_ops.gather_rows(kv, runs.on(kv.device).kv_source)
 
 
+def _backward_cuts(kernel, runs: AttentionRuns, heads: int, dim: int):
+    """The calls a kernel's backward of ``runs`` runs as: per part (the call itself, or its
+    diagonal and prefix calls where ``split_backward`` finds the split worth it, the diagonal
+    first), that part's windows (``backward_window_rows``; the part alone when it fits)."""
+    split = runs.backward_split(kernel.split_margin) if kernel.split_backward else None
+    # The diagonal call first: it holds every entry, so its windows tile the query rows and
+    # write into an uninitialised buffer, where the prefix call's (entries without a prefix
+    # left out) would leave rows to zero first.
+    parts = (runs,) if split is None else split[::-1]
+    rows = kernel.backward_window_rows(heads, dim)
+    return [(p,) if rows is None else p.backward_windows(rows) for p in parts]
+
+
+def _backward_calls(tables, kernel) -> list:
+    """``(kernel, call)`` of every call a backward of ``tables`` differentiates (the blocked
+    layout's level calls on ``kernel.for_levels()``)."""
+    if isinstance(tables, TreeTables):
+        return [(kernel, c) for c in (tables.own, *tables.levels) if c.entries]
+    if isinstance(tables, AttentionBlocks):
+        levels = kernel.for_levels()
+        return [(kernel, c) for c, _, _ in tables.diagonal] + [(levels, c) for c in tables.levels]
+    return [(kernel, tables)]
+
+
+def stage_backward(
+    tables, heads: int, head_dim: int, kernel: Optional[AttentionKernel] = None
+) -> Tuple[list, Optional[StagedTables]]:
+    """The backward's parts and windows of a batch's attention tables, and their tables staged
+    for one copy (host work alone: a data-loader thread may run it, through
+    ``ContextParallelParams.prepare``); built once per tables, heads, head dim and kernel.
+
+    Args:
+        tables: ``AttentionRuns``, ``AttentionBlocks`` or ``TreeTables`` (``fused_attention``'s).
+        heads: query heads of the layers' attention on this rank; ``head_dim``: their width.
+        kernel: the kernel the layers run (default ``cudnn.KERNEL``): its window budget and
+            backward split decide the pieces.
+
+    Returns:
+        ``(pieces, staged)``: the calls the backward runs beyond those the tables' own copies
+        hold (``AttentionRuns``), and their ``StagedTables`` (None when there are none).
+    """
+    kernel = cudnn_kernel.KERNEL if kernel is None else kernel
+    key = ("backward", kernel, int(heads), int(head_dim))
+    got = tables._derived.get(key)
+    if got is None:
+        # The calls the tables' own copies hold (a tree's calls copy their own).
+        copied = [tables] if not isinstance(tables, TreeTables) else [tables.own, *tables.levels]
+        held = {id(c) for t in copied for c in t._copied_calls() if c is not None}
+        pieces = {}
+        for k, call in _backward_calls(tables, kernel):
+            for cut in _backward_cuts(k, call, heads, head_dim):
+                pieces.update((id(p), p) for p in cut if id(p) not in held)
+        pieces = list(pieces.values())
+        staged = stage_calls(pieces) if pieces else None
+        got = tables._derived[key] = (pieces, staged)
+    return got
+
+
+def _copy_backward(tables, kernel, q: torch.Tensor) -> None:
+    """Copies the tables of every backward part and window of ``tables`` not on ``q``'s device
+    yet, in one copy (``stage_backward``'s, made now unless made ahead): their row tables are
+    then derived for all of them at once (``staging.DeviceGroup``), not call by call."""
+    pieces, staged = stage_backward(tables, q.shape[1], q.shape[2], kernel)
+    if any(q.device not in p._device for p in pieces):
+        adopt_calls(pieces, staged.copy(q.device), q.device)
+
+
 def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *args):
     """``kernel.backward`` of one call: ``(dq [Tq, H, d], dkv [2, M, G, d])``.
 
@@ -115,14 +184,8 @@ def _call_backward(kernel, q, keys, o, do, stats, runs: AttentionRuns, dev, *arg
     when split) write their rows of the query gradient in place (``dq_out``); the second call's
     query gradients are added (in the inputs' type, one rounding a term as the split always
     did)."""
-    split = runs.backward_split(kernel.split_margin) if kernel.split_backward else None
-    # The diagonal call first: it holds every entry, so its windows tile the query rows and
-    # write into an uninitialised buffer, where the prefix call's (entries without a prefix
-    # left out) would leave rows to zero first.
-    parts = (runs,) if split is None else split[::-1]
-    rows = kernel.backward_window_rows(q.shape[1], q.shape[2])
-    cuts = [(p,) if rows is None else p.backward_windows(rows) for p in parts]
-    if len(parts) == 1 and cuts[0] == (runs,):
+    cuts = _backward_cuts(kernel, runs, q.shape[1], q.shape[2])
+    if cuts == [(runs,)]:
         return kernel.backward(q, keys, o, do, stats, runs, dev, *args)
     # Per-entry key copies are laid out like the key gradients: a window reads its rows.
     copies = runs.materialize and not kernel.shared_keys_in_backward
@@ -201,6 +264,7 @@ class _FusedAttention(torch.autograd.Function):
         q, kv, o, stats = ctx.saved_tensors
         runs = ctx.runs
         dev = runs.on(q.device)
+        _copy_backward(runs, ctx.kernel, q)
         if runs.identity:
             do = grad_out.contiguous()
         else:
@@ -253,6 +317,7 @@ class _BlockedAttention(torch.autograd.Function):
         q, kv, o, lse = ctx.saved_tensors
         blocks, kernel = ctx.blocks, ctx.kernel
         dev = blocks.on(q.device)
+        _copy_backward(blocks, kernel, q)
         grad_out = grad_out.contiguous()
         do = grad_out if dev.order is None else row_ops.gather_rows(grad_out, dev.order)
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -356,6 +421,7 @@ class _TreeAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         args = (ctx.scale, ctx.deterministic)
         own = tables.own
+        _copy_backward(tables, kernel, q)
         if own.entries:
             od = own.on(q.device)
             pieces = (q, o, do, lse)

@@ -47,6 +47,7 @@ import torch
 
 from megatron.context_parallel import _extension
 from megatron.context_parallel.attention.settings import current_attention_settings
+from megatron.context_parallel.attention.staging import DeviceGroup, StagedTables, spread
 from megatron.context_parallel.comm.plan import ContextParallelPlan
 
 __all__ = [
@@ -54,12 +55,14 @@ __all__ = [
     "CompactKeys",
     "DeviceRuns",
     "KernelShapes",
-    "StagedTables",
+    "adopt_calls",
+    "copy_calls",
     "copy_numbers",
     "kernel_shapes",
     "recorded_shapes",
     "run_entries",
     "serial_host_ops",
+    "stage_calls",
 ]
 
 # Runs of one sequence closer than this are merged (their gap runs as dummy queries): merging
@@ -175,59 +178,6 @@ class CompactKeys:
         self.of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
         self.sequence = sequence[owned]
         self.sequence_start = _run_starts(self.sequence)
-
-
-class StagedTables:
-    """Dicts of int64 host tensors (or None) packed into one host buffer, ready for ``to``'s
-    single host-to-device copy.
-
-    Packing is host work alone, so it can run ahead of the step (``AttentionRuns.stage``, a
-    data-loader thread); ``to`` then copies and views. With ``pin`` the buffer is pinned, so the
-    copy does not block the host: a copy from pageable memory would wait for everything already
-    queued on the stream, so tables built while the GPU runs earlier layers would stall the host
-    until the GPU drained.
-
-    Args:
-        tables: the dicts (name -> int64 tensor or None).
-        int32: names converted to int32 on the device (their region converts as one tensor).
-        pin: pin the buffer (for a CUDA device; ``to`` pins an unpinned one itself).
-    """
-
-    def __init__(self, tables, int32=(), pin: bool = False):
-        names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
-        names.sort(key=lambda name: name[1] not in int32)
-        flat = [tables[i][k].reshape(-1) for i, k in names]
-        # Packed straight into pinned memory where pinned: the caching host allocator hands back
-        # a block already mapped, where a fresh pageable buffer would fault in every page and
-        # then be copied once more to pin it.
-        total = sum(t.numel() for t in flat)
-        packed = torch.empty(total, dtype=torch.int64, pin_memory=pin)
-        if flat:
-            torch.cat(flat, out=packed)
-        self.packed = packed
-        self._template = [list(t) for t in tables]
-        self._names = names
-        self._shapes = [tables[i][k].shape for i, k in names]
-        self._n32 = sum(1 for _, k in names if k in int32)
-
-    def to(self, device: torch.device) -> list:
-        """The dicts on ``device``: device tensors, the ``int32`` ones as int32."""
-        packed = self.packed
-        if torch.device(device).type == "cuda":
-            # The caching host allocator keeps the pinned block until the copy has run.
-            pinned = packed if packed.is_pinned() else packed.pin_memory()
-            packed = pinned.to(device, non_blocking=True)
-        else:
-            packed = packed.to(device)
-        n32, sizes = self._n32, [shape.numel() for shape in self._shapes]
-        narrow = sum(sizes[:n32])
-        parts = list(packed[narrow:].split(sizes[n32:]))
-        if n32:
-            parts = list(packed[:narrow].to(torch.int32).split(sizes[:n32])) + parts
-        out = [dict.fromkeys(t) for t in self._template]
-        for (i, k), shape, part in zip(self._names, self._shapes, parts):
-            out[i][k] = part if len(shape) == 1 else part.view(shape)
-        return out
 
 
 # Kernel shapes. Every kernel plan (a cuDNN graph, ~0.1-0.2 s to build) is keyed by its shape
@@ -351,6 +301,9 @@ class DeviceRuns:
         entry_copy: int64 ``[batch]``, each entry's copy number (``AttentionRuns.entry_copy``;
             0 for padding entries), or None.
         runs: the host tables these came from (their sizes and flags).
+        group: the ``DeviceGroup`` of the copy these came in, which derives the row tables
+            below for every call of that copy at once (None: derived for this call alone).
+        member: this call's dict in ``group``.
     """
 
     seq_len_q: torch.Tensor
@@ -363,6 +316,8 @@ class DeviceRuns:
     compact_slots: Optional[torch.Tensor]
     entry_copy: Optional[torch.Tensor]
     runs: "AttentionRuns" = field(repr=False)
+    group: Optional[DeviceGroup] = field(default=None, repr=False)
+    member: int = -1
     _offsets: Dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -373,7 +328,11 @@ class DeviceRuns:
             return None
         out = self._offsets.get("kv_source")
         if out is None:
-            out = self._offsets["kv_source"] = key_sources(*self._entries(), self.runs.mat_rows)
+            if self.group is not None and self.group.row_maps:
+                out = self.group.key_sources(self.member)
+            else:
+                out = key_sources(*self._entries(), self.runs.mat_rows)
+            self._offsets["kv_source"] = out
         return out
 
     @property
@@ -396,9 +355,13 @@ class DeviceRuns:
         on the device at first use)."""
         out = self._offsets.get("entry_rows")
         if out is None:
-            q_len = self.seq_len_q.view(-1).to(torch.int64)
-            entry, offset = _spread(q_len, int(self.runs.q_len.sum()))
-            out = self._offsets["entry_rows"] = self.q_rows[:-1][entry] + offset
+            if self.group is not None and self.group.row_maps:
+                out = self.group.entry_rows(self.member)
+            else:
+                q_len = self.seq_len_q.view(-1).to(torch.int64)
+                entry, offset = spread(q_len, int(self.runs.q_len.sum()))
+                out = self.q_rows[:-1][entry] + offset
+            self._offsets["entry_rows"] = out
         return out
 
     def _entries(self):
@@ -412,7 +375,10 @@ class DeviceRuns:
         key = (which, int(stride))
         out = self._offsets.get(key)
         if out is None:
-            out = (getattr(self, which) * int(stride)).reshape(-1, 1, 1, 1).contiguous()
+            if self.group is not None:
+                out = self.group.offsets(self.member, which, stride)
+            else:
+                out = (getattr(self, which) * int(stride)).reshape(-1, 1, 1, 1).contiguous()
             self._offsets[key] = out
         return out
 
@@ -424,9 +390,12 @@ class DeviceRuns:
         key = ("stats", int(max_q))
         out = self._offsets.get(key)
         if out is None:
-            slot = torch.arange(int(max_q), device=self.q_rows.device)
-            rows = self.q_rows[:-1, None] + slot
-            out = torch.where(slot < self.seq_len_q.view(-1, 1), rows, -1).flatten()
+            if self.group is not None and int(max_q) == self.runs.max_q:
+                out = self.group.stats_index(self.member)
+            else:
+                slot = torch.arange(int(max_q), device=self.q_rows.device)
+                rows = self.q_rows[:-1, None] + slot
+                out = torch.where(slot < self.seq_len_q.view(-1, 1), rows, -1).flatten()
             self._offsets[key] = out
         return out
 
@@ -454,12 +423,18 @@ class ReadOnlyTables:
             with serial_host_ops():
                 # Pinned where a CUDA device is there to copy to.
                 pin = torch.cuda.is_available()
-                staged = StagedTables(self._copied_tables(), INT32_TABLES, pin)
+                tables = self._copied_tables()
+                staged = StagedTables(tables, INT32_TABLES, pin, self._copied_calls())
                 self._derived["staged"] = staged
         return staged
 
     def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
         raise NotImplementedError
+
+    def _copied_calls(self) -> Optional[List[Optional["AttentionRuns"]]]:
+        """Per dict of ``_copied_tables``: the kernel call whose tables it holds, or None (no
+        dict holds a call's)."""
+        return None
 
 
 class AttentionRuns(ReadOnlyTables):
@@ -696,16 +671,19 @@ class AttentionRuns(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
-        moved = self.stage().to(device)
-        for call, parts in zip(self.backward_split() or (), moved[1:]):
-            call._adopt(device, parts)
-        return self._adopt(device, moved[0])
+        group = self.stage().copy(device)
+        for m, call in enumerate(self._copied_calls()):
+            call._adopt(device, group.tables[m], group, m)
+        return self._device[device]
 
     def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
         # The split backward's two calls (if any) travel in the same copy: the backward then
         # finds their tables on the device, with no host work of its own.
         split = self.backward_split() or ()
         return [self._host_tables()] + [c._host_tables(call_only=True) for c in split]
+
+    def _copied_calls(self) -> List["AttentionRuns"]:
+        return [self, *(self.backward_split() or ())]
 
     def backward_split(
         self, margin: float = SPLIT_MARGIN
@@ -875,12 +853,15 @@ class AttentionRuns(ReadOnlyTables):
             "mat_rows": starts(self.mat_start, self.mat_rows),
         }
 
-    def _adopt(self, device: torch.device, parts: Dict[str, Optional[torch.Tensor]]):
-        """Caches and returns the ``DeviceRuns`` of tables already on ``device``."""
+    def _adopt(self, device: torch.device, parts, group: Optional[DeviceGroup] = None, member=-1):
+        """Caches and returns the ``DeviceRuns`` of tables already on ``device`` (dict
+        ``member`` of ``group``'s copy, where it came in one)."""
         parts = dict(parts)
         for name in INT32_TABLES:
             parts[name] = parts[name].view(-1, 1, 1, 1)
-        moved = DeviceRuns(**parts, runs=self)
+        if group is not None and not group.holds(member):
+            group = None
+        moved = DeviceRuns(**parts, runs=self, group=group, member=member)
         self._device[device] = moved
         return moved
 
@@ -889,6 +870,34 @@ class AttentionRuns(ReadOnlyTables):
         layout = "in place" if self.identity else f"{self.query_rows} span rows"
         keys = f", keys copied to {self.mat_rows} rows" if self.materialize else ""
         return f"{self.entries} entries ({layout}{keys}) over {self.num_keys} keys"
+
+
+def stage_calls(calls) -> StagedTables:
+    """The kernel tables of ``calls`` (``AttentionRuns``: a backward's parts and windows) laid
+    out for one copy as one group (``adopt_calls``). Each call's kernel tables alone travel
+    (``_host_tables(call_only=True)``: no row maps), and the group derives their offsets and
+    statistics index only: such calls read no other (their whole call's serve)."""
+    with serial_host_ops():
+        tables = [c._host_tables(call_only=True) for c in calls]
+        return StagedTables(tables, INT32_TABLES, torch.cuda.is_available(), calls, False)
+
+
+def adopt_calls(calls, group: DeviceGroup, device: torch.device) -> None:
+    """Gives each of ``calls`` not yet on ``device`` its tables of ``group`` (the copy of
+    ``stage_calls(calls)``)."""
+    device = torch.device(device)
+    for m, call in enumerate(calls):
+        if device not in call._device:
+            call._adopt(device, group.tables[m], group, m)
+
+
+def copy_calls(calls, device: torch.device) -> None:
+    """Copies the tables of the kernel calls among ``calls`` not yet on ``device`` in one copy,
+    as one ``DeviceGroup``, whose row tables are then derived for all of them at once."""
+    device = torch.device(device)
+    todo = list({id(c): c for c in calls if device not in c._device}.values())
+    if todo:
+        adopt_calls(todo, stage_calls(todo).copy(device), device)
 
 
 # --- one rank's entries: the C++ builder, and the torch ops that define it ----------------------
@@ -1034,23 +1043,11 @@ def _own_key_rows(q_start, kv_len):
     return mat_start, int(kv_len.sum())
 
 
-def _spread(lengths: torch.Tensor, total: int):
-    """``(entry, offset)``, int64 ``[total]`` each on the device of ``lengths`` (``total`` their
-    sum): each row of entries of these lengths, laid end to end, as its entry and its offset
-    in it. No host synchronisation on a device."""
-    device = lengths.device
-    entry = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=device), lengths, output_size=int(total)
-    )
-    first = torch.cumsum(lengths, 0) - lengths
-    return entry, torch.arange(int(total), device=device) - first[entry]
-
-
 def _key_gradient_rows(k_start, mat_start, kv_len, key_rows: int):
     """``(row, key, entry)``, int64 ``[key_rows]`` each on the tables' device: for every
     key-gradient row the entries write, the row, its compact key and its entry (entries with
     no keys, such as padding entries, write none)."""
-    entry, offset = _spread(kv_len, key_rows)
+    entry, offset = spread(kv_len, key_rows)
     return mat_start[entry] + offset, k_start[entry] + offset, entry
 
 

@@ -367,12 +367,13 @@ class ContextParallelBatch:
             output_processor=self.output_processor,
         )
 
-    def prepare(self, device=None) -> "ContextParallelBatch":
+    def prepare(self, device=None, *, heads=None, head_dim=None) -> "ContextParallelBatch":
         """Builds the batch's attention tables ahead of the forward (see
-        ``ContextParallelParams.prepare``); nothing to do for batches without the package's
-        params (TE, megatron-core's attention). Returns ``self``."""
+        ``ContextParallelParams.prepare``, whose arguments these are); nothing to do for
+        batches without the package's params (TE, megatron-core's attention). Returns
+        ``self``."""
         if isinstance(self.packed_seq_params, ContextParallelParams):
-            self.packed_seq_params.prepare(device)
+            self.packed_seq_params.prepare(device, heads=heads, head_dim=head_dim)
         return self
 
     @property

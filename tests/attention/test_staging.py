@@ -1,0 +1,107 @@
+"""Staging: the row tables a copy's ``DeviceGroup`` derives for all of its calls at once are, call
+by call, the tables each call derives alone (``DeviceRuns`` without a group)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron.context_parallel import ContextParallelPlan
+from megatron.context_parallel.attention.blocks import AttentionBlocks
+from megatron.context_parallel.attention.runs import AttentionRuns, copy_calls
+
+CPU = torch.device("cpu")
+
+
+def _plan(seed: int, cp: int, seq_len: int, packed: bool):
+    """Every position to a random rank, each rank's rows in a random order; three random
+    sequence cuts when ``packed``. Returns the plan and the packed sequence of each position."""
+    g = torch.Generator().manual_seed(seed)
+    cu = [0, seq_len]
+    if packed:
+        cu = [0] + sorted(torch.randint(0, seq_len + 1, (3,), generator=g).tolist()) + [seq_len]
+    owner = torch.randint(0, cp, (seq_len,), generator=g)
+    ranks = []
+    for r in range(cp):
+        pos = torch.nonzero(owner == r).flatten()
+        ranks.append(pos[torch.randperm(pos.numel(), generator=g)])
+    plan = ContextParallelPlan.from_rank_positions(ranks, seq_len, tuple(cu))
+    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    sequence = torch.repeat_interleave(torch.arange(len(cu) - 1), lengths)
+    return plan, sequence
+
+
+def _pieces(call: AttentionRuns, max_rows: int):
+    """A backward's calls: the call's split parts (every causal call split) and the windows of
+    the call and of each part."""
+    parts = list(call.backward_split(margin=1.0) or ())
+    return parts + [w for c in [call, *parts] for w in c.backward_windows(max_rows)]
+
+
+def _check(calls):
+    """Each call's derived device tables against those it derives alone."""
+    for call in calls:
+        dev = call.on(CPU)
+        assert dev.group is not None, call.describe()
+        alone = dataclasses.replace(dev, group=None, _offsets={})
+        for which, stride in (("q_rows", 3), ("kv_rows", 5), ("mat_rows", 7), ("q_rows", 1)):
+            mine, theirs = dev.offsets(which, stride), alone.offsets(which, stride)
+            assert mine.shape == theirs.shape and torch.equal(mine, theirs), (which, stride)
+        pairs = [
+            (dev.stats_index(call.max_q), alone.stats_index(call.max_q)),
+            (dev.entry_rows(), alone.entry_rows()),
+        ]
+        if call.materialize:
+            pairs.append((dev.kv_source, alone.kv_source))
+        else:
+            assert dev.kv_source is None
+        for mine, theirs in pairs:
+            assert mine.dtype == theirs.dtype == torch.int64 and torch.equal(mine, theirs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    cp=st.integers(1, 4),
+    seq_len=st.integers(2, 96),
+    packed=st.booleans(),
+    max_rows=st.integers(1, 120),
+    group_rows=st.sampled_from([1, 2, 4]),
+)
+def test_a_groups_row_tables_are_each_calls_own(seed, cp, seq_len, packed, max_rows, group_rows):
+    """The run tables' call and its split parts (one copy, ``on``), the blocked layout's calls
+    (one copy), and every backward part and window of either (``copy_calls``, one copy more):
+    offsets at several strides, the statistics index, entry rows and key sources."""
+    plan, sequence = _plan(seed, cp, seq_len, packed)
+    for rank in range(cp):
+        runs = AttentionRuns.build(plan, rank, sequence, merge_gap=1)
+        runs.on(CPU)
+        split = list(runs.backward_split() or ())
+        _check([runs, *split])
+        pieces = [p for c in [runs, *split] for p in _pieces(c, max_rows)]
+        copy_calls(pieces, CPU)
+        _check(pieces)
+        if plan.counts[rank] == 0:
+            continue
+        blocks = AttentionBlocks.build(plan, rank, sequence, group_rows=group_rows)
+        blocks.on(CPU)
+        _check(blocks.calls())
+        pieces = [p for c in blocks.calls() for p in _pieces(c, max_rows)]
+        copy_calls(pieces, CPU)
+        _check(pieces)
+
+
+def test_copy_calls_copies_only_the_calls_not_on_the_device():
+    """A call already on the device keeps its tables; the others come in one copy."""
+    plan, sequence = _plan(3, 2, 64, True)
+    runs = AttentionRuns.build(plan, 0, sequence, merge_gap=1)
+    first = runs.on(CPU)
+    windows = runs.backward_windows(8)
+    assert len(windows) > 2
+    copy_calls([runs, *windows, windows[0]], CPU)
+    assert runs.on(CPU) is first
+    groups = {id(w.on(CPU).group) for w in windows}
+    assert len(groups) == 1 and id(first.group) not in groups
