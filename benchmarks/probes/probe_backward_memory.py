@@ -24,8 +24,10 @@ Usage: python benchmarks/probes/probe_backward_memory.py [--cases random_rows_cp
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from typing import Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -38,7 +40,7 @@ from timing import GiB, extra_peak_bytes  # noqa: E402
 
 from megatron.context_parallel.attention import cudnn as cudnn_kernel  # noqa: E402
 from megatron.context_parallel.attention.blocks import build_attention_tables  # noqa: E402
-from megatron.context_parallel.attention.fused import fused_attention  # noqa: E402
+from megatron.context_parallel.attention.fused import fused_attention, stage_backward  # noqa: E402
 
 
 class ShapeKernel:
@@ -48,14 +50,16 @@ class ShapeKernel:
     split_backward = True
     split_margin = 1.10
 
-    def __init__(self, cudnn=cudnn_kernel.KERNEL):
+    def __init__(self, cudnn=cudnn_kernel.KERNEL, window_shape=None):
         self.cudnn = cudnn  # whose window budgets it takes
+        # (heads, dim) the windows are cut for, where the inputs are narrower (--table-ops).
+        self.window_shape = window_shape
 
     def backward_window_rows(self, heads, dim):
-        return self.cudnn.backward_window_rows(heads, dim)
+        return self.cudnn.backward_window_rows(*(self.window_shape or (heads, dim)))
 
     def for_levels(self):
-        return ShapeKernel(self.cudnn.for_levels())
+        return ShapeKernel(self.cudnn.for_levels(), self.window_shape)
 
     @staticmethod
     def key_gradients(kv, runs):
@@ -91,12 +95,25 @@ class ShapeKernel:
         return dq, dkv
 
 
-def host_ops(fn) -> int:
-    """Top-level aten ops (not those inside another aten op) that ``fn()`` runs."""
+# Ops that only make a view (host metadata, no launch on a GPU).
+VIEW_OPS = {
+    "aten::" + name
+    for name in (
+        "view", "slice", "reshape", "alias", "as_strided", "split", "split_with_sizes", "select",
+        "unsqueeze", "permute", "narrow", "expand", "detach", "detach_", "lift_fresh", "flatten",
+        "unbind", "squeeze", "t", "transpose", "contiguous",
+    )
+}  # fmt: skip
+
+
+def host_ops(fn) -> Tuple[int, int]:
+    """``(all, not views)``: the top-level aten ops (not those inside another aten op) that
+    ``fn()`` runs, and those of them that make more than a view (``VIEW_OPS``)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    top = [e for e in prof.events() if e.name.startswith("aten::")]
-    return sum(1 for e in top if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    top = [e.name for e in prof.events() if e.name.startswith("aten::") and (
+        e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]  # fmt: skip
+    return len(top), sum(1 for name in top if name not in VIEW_OPS)
 
 
 def main():
@@ -106,28 +123,48 @@ def main():
     ap.add_argument("--table-ops", action="store_true", help="host ops of tables staged ahead")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    cpu = torch.device("cpu")
     for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
-        tables = build_attention_tables(plan, rank, _sequence(plan.seq_len, cu))
-        tables.stage()
+
+        # The windows are cut for the real heads and width either way (--table-ops counts ops
+        # on narrow inputs: heads and width do not change them).
+        kernel = ShapeKernel(window_shape=(HEADS, DIM))
+
+        def staged(backward=False, plan=plan, rank=rank, cu=cu, kernel=kernel):
+            tables = build_attention_tables(plan, rank, _sequence(plan.seq_len, cu))
+            tables.stage()
+            if backward:  # as prepare(heads=, head_dim=)
+                stage_backward(tables, HEADS, DIM, kernel)
+            return tables
+
+        tables = staged()
         n = plan.counts[rank]
-        # Heads and width do not change the op counts; the peak needs the real ones.
         heads, groups, dim = (2, 1, 8) if args.table_ops else (HEADS, GROUPS, DIM)
         query = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
         kv = torch.zeros(tables.slots, groups, 2 * dim, dtype=torch.bfloat16)
         grad = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
 
-        def step(query=query, kv=kv, tables=tables, grad=grad):
+        def step(tables, query=query, kv=kv, grad=grad, kernel=kernel):
             q, k = query.detach().requires_grad_(), kv.detach().requires_grad_()
-            fused_attention(q, k, tables, DIM**-0.5, kernel=ShapeKernel()).backward(grad)
+            fused_attention(q, k, tables, DIM**-0.5, kernel=kernel).backward(grad)
 
         if args.table_ops:
-            copy = host_ops(lambda tables=tables: tables.on(torch.device("cpu")))
-            first, again = host_ops(step), host_ops(step)
+            cells = []
+            for backward in (False, True):
+                ahead = staged(backward)
+                copy = host_ops(lambda ahead=ahead: ahead.on(cpu))
+                run = functools.partial(step, ahead)
+                first, again = host_ops(run), host_ops(run)
+                cells.append(
+                    f"on() {copy[0]} ({copy[1]}), the first layer's {first[0] - again[0]} "
+                    f"({first[1] - again[1]})"
+                )
             print(
-                f"{name} S={args.size}: {tables.describe()}; host ops of tables staged ahead: "
-                f"on() {copy}, the first layer's derived tables {first - again}"
+                f"{name} S={args.size}: {tables.describe()}; host ops (not views) of tables "
+                f"staged ahead: {cells[0]}; with the backward staged ahead: {cells[1]}"
             )
             continue
+        step = functools.partial(step, tables)
         step()
         kept = 2 * query.numel() * 2 + kv.numel() * 2  # output and its gradient, dK / dV
         peak = extra_peak_bytes(step, torch.device("cpu"), kept)
