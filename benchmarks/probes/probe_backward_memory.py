@@ -129,17 +129,17 @@ def main():
         # The windows are cut for the real heads and width either way (--table-ops counts ops
         # on narrow inputs: heads and width do not change them).
         kernel = ShapeKernel(window_shape=(HEADS, DIM))
+        heads, groups, dim = (2, 1, 8) if args.table_ops else (HEADS, GROUPS, DIM)
 
-        def staged(backward=False, plan=plan, rank=rank, cu=cu, kernel=kernel):
+        def staged(backward=False, plan=plan, rank=rank, cu=cu, kernel=kernel, shape=(heads, dim)):
             tables = build_attention_tables(plan, rank, _sequence(plan.seq_len, cu))
             tables.stage()
-            if backward:  # as prepare(heads=, head_dim=)
-                stage_backward(tables, HEADS, DIM, kernel)
+            if backward:  # as prepare(heads=, head_dim=), for the inputs' shape
+                stage_backward(tables, *shape, kernel)
             return tables
 
         tables = staged()
         n = plan.counts[rank]
-        heads, groups, dim = (2, 1, 8) if args.table_ops else (HEADS, GROUPS, DIM)
         query = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
         kv = torch.zeros(tables.slots, groups, 2 * dim, dtype=torch.bfloat16)
         grad = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
