@@ -15,7 +15,9 @@ staged ahead (``ContextParallelParams.prepare``): the top-level aten ops of ``on
 of the device tables the first forward+backward derives from them (``DeviceRuns`` /
 ``DeviceBlocks``: key sources, slot copies, entry rows; and, as cuDNN's calls derive them, the
 ragged offsets and the statistics index), the first call's ops less a second call's on the same
-tables. On a GPU each is a launch or a host-side tensor op of a few microseconds.
+tables. On a GPU each is a launch or a host-side tensor op of a few microseconds. Beside them,
+the host ms of ``stage_backward`` (the backward's parts and windows cut and laid out for their
+copy), which the first backward spends unless ``prepare(heads=, head_dim=)`` ran it ahead.
 
 Usage: python benchmarks/probes/probe_backward_memory.py [--cases random_rows_cp2,...]
        [--size 20436] [--table-ops]
@@ -27,6 +29,7 @@ import argparse
 import functools
 import os
 import sys
+import time
 from typing import Tuple
 
 import torch
@@ -159,9 +162,16 @@ def main():
                     f"on() {copy[0]} ({copy[1]}), the first layer's {first[0] - again[0]} "
                     f"({first[1] - again[1]})"
                 )
+            ms = []
+            for _ in range(3):  # host ms of the backward's cuts and layout, on fresh tables
+                fresh = staged()
+                start = time.perf_counter()
+                stage_backward(fresh, heads, dim, kernel)
+                ms.append((time.perf_counter() - start) * 1e3)
             print(
                 f"{name} S={args.size}: {tables.describe()}; host ops (not views) of tables "
-                f"staged ahead: {cells[0]}; with the backward staged ahead: {cells[1]}"
+                f"staged ahead: {cells[0]}; with the backward staged ahead: {cells[1]}; "
+                f"stage_backward {sorted(ms)[1]:.2f} ms"
             )
             continue
         step = functools.partial(step, tables)
