@@ -232,3 +232,17 @@ def test_prepare_with_the_layer_shape_stages_the_backward():
     first = stage_backward(params.runs, 40, 128)
     assert params.runs._derived[("backward", cudnn.KERNEL, 40, 128)] is first
     assert stage_backward(params.runs, 40, 128) is first
+
+
+def test_staging_in_a_process_without_a_cuda_context_does_not_pin(monkeypatch):
+    """A forked data-loader worker (or rank) of a process that used CUDA sees CUDA available but
+    cannot start it: staging there must not ask for pinned memory (which starts CUDA; on this
+    CPU build it raises), and the copy pins instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    for name in CASES:
+        tables = _build(name)
+        tables.stage()
+        for call in _calls(tables):
+            call.stage()
+        assert not tables.stage().packed.is_pinned()

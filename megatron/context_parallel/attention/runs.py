@@ -47,7 +47,12 @@ import torch
 
 from megatron.context_parallel import _extension
 from megatron.context_parallel.attention.settings import current_attention_settings
-from megatron.context_parallel.attention.staging import DeviceGroup, StagedTables, spread
+from megatron.context_parallel.attention.staging import (
+    DeviceGroup,
+    StagedTables,
+    pin_staged_tables,
+    spread,
+)
 from megatron.context_parallel.comm.plan import ContextParallelPlan
 
 __all__ = [
@@ -415,14 +420,14 @@ class ReadOnlyTables:
         raise AttributeError(f"{type(self).__name__} is read-only (cannot set {name!r})")
 
     def stage(self) -> StagedTables:
-        """The host tables ``on`` copies, laid out in one (pinned, where CUDA is there) host
-        buffer at the first call: host work alone, so a data-loader thread may call it ahead of
-        the step (``ContextParallelParams.prepare``) and leave ``on`` one copy."""
+        """The host tables ``on`` copies, laid out in one host buffer (pinned where this process
+        uses CUDA: ``pin_staged_tables``) at the first call: host work alone, so a data-loader
+        thread may call it ahead of the step (``ContextParallelParams.prepare``) and leave
+        ``on`` one copy."""
         staged = self._derived.get("staged")
         if staged is None:
             with serial_host_ops():
-                # Pinned where a CUDA device is there to copy to.
-                pin = torch.cuda.is_available()
+                pin = pin_staged_tables()
                 tables = self._copied_tables()
                 staged = StagedTables(tables, INT32_TABLES, pin, self._copied_calls())
                 self._derived["staged"] = staged
@@ -879,7 +884,7 @@ def stage_calls(calls) -> StagedTables:
     statistics index only: such calls read no other (their whole call's serve)."""
     with serial_host_ops():
         tables = [c._host_tables(call_only=True) for c in calls]
-        return StagedTables(tables, INT32_TABLES, torch.cuda.is_available(), calls, False)
+        return StagedTables(tables, INT32_TABLES, pin_staged_tables(), calls, False)
 
 
 def adopt_calls(calls, group: DeviceGroup, device: torch.device) -> None:

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["DeviceGroup", "StagedTables", "spread"]
+__all__ = ["DeviceGroup", "StagedTables", "pin_staged_tables", "spread"]
 
 # The per-entry tables of a kernel call (``AttentionRuns._host_tables``): the entries' lengths
 # ([batch]) and first rows ([batch + 1], padding entries and a closing offset past the last).
@@ -30,6 +30,14 @@ _LENGTHS = ("seq_len_q", "seq_len_kv")
 _ROWS = ("q_rows", "kv_rows", "mat_rows")
 # The group's own host tables (per entry of every call), under names no call table takes.
 _GROUP = "group "
+
+
+def pin_staged_tables() -> bool:
+    """Whether staged tables go to pinned memory now: where this process already holds a CUDA
+    context. Pinning creates one, which a forked process cannot (a data-loader worker, a
+    forked rank: CUDA refuses to start in a fork of a process that used it); elsewhere
+    ``StagedTables.copy`` pins at the copy."""
+    return torch.cuda.is_initialized()
 
 
 def spread(lengths: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
