@@ -119,6 +119,7 @@ KERNEL_VARIANTS = (
     ("no-windows", {}, {"backward_workspace": None, "level_workspace": None}),
     ("workspace-512MiB", {}, {"backward_workspace": 1 << 29}),
     ("workspace-1GiB", {}, {"backward_workspace": 1 << 30}),
+    ("workspace-2GiB", {}, {"backward_workspace": 1 << 31}),
     ("levels-768MiB", {}, {"level_workspace": None}),
 )
 
