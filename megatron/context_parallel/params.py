@@ -101,16 +101,6 @@ def _root_index(tree: PrefixTree) -> Tensor:
     return per_segment[tree.segment_index()]
 
 
-def _calls_of(tables) -> list:
-    """The kernel calls inside a batch's attention tables (their device tables are built on
-    first use, so ``prepare`` builds them too)."""
-    if isinstance(tables, TreeTables):
-        return [tables.own, *tables.levels]
-    if isinstance(tables, AttentionBlocks):
-        return tables.calls()
-    return []
-
-
 def _check_position_ids(position_ids, seq_len: int) -> None:
     if (
         not isinstance(position_ids, Tensor)
@@ -348,17 +338,11 @@ class ContextParallelParams(PackedSeqParams):
             ``self``.
         """
         tables = self.runs
-        tables.stage()
-        if isinstance(tables, TreeTables):  # its kernel calls copy their own tables
-            for call in _calls_of(tables):
-                call.stage()
+        tables.stage()  # every kernel call's tables with the batch's
         if heads is not None and head_dim is not None:
             stage_backward(tables, heads, head_dim)
         if device is not None:
-            device = torch.device(device)
-            tables.on(device)
-            for call in _calls_of(tables):
-                call.on(device)
+            tables.on(torch.device(device))
         return self
 
     def allowed(self, causal: bool) -> Tensor:

@@ -81,8 +81,13 @@ def test_prepare_from_a_background_thread():
     worker.join()
     built = params._per_batch["attention_runs"]
     assert params.runs is built
-    # The host layout of every call's copy is done too: the layers only copy.
-    assert all(c._derived.get("staged") is not None for c in [built.own, *built.levels])
+    # The host layout of the copy is done, every kernel call's tables in it: the layers only
+    # copy.
+    staged = built._derived.get("staged")
+    assert staged is not None and not built._device
+    assert len(staged.to(torch.device("cpu"))) == 1 + len(_calls(built)) + len(
+        built.own.backward_split() or ()
+    )
     runs = ContextParallelParams.for_plan(plan, None)
     worker = threading.Thread(target=runs.prepare)
     worker.start()
@@ -133,12 +138,7 @@ def test_tables_staged_ahead_leave_the_layer_one_copy(monkeypatch, name):
     tree's own part and levels)."""
     staged = _build(name)
 
-    def stage_all():
-        staged.stage()
-        for call in _calls(staged) if isinstance(staged, TreeTables) else ():
-            call.stage()
-
-    worker = threading.Thread(target=stage_all)
+    worker = threading.Thread(target=staged.stage)
     worker.start()
     worker.join()
 
@@ -191,8 +191,6 @@ def test_the_backward_staged_ahead_leaves_it_one_copy(monkeypatch, name):
 
     def stage_all():
         staged.stage()
-        for call in _calls(staged) if isinstance(staged, TreeTables) else ():
-            call.stage()
         stage_backward(staged, heads, dim, kernel)
 
     worker = threading.Thread(target=stage_all)
@@ -242,7 +240,4 @@ def test_staging_in_a_process_without_a_cuda_context_does_not_pin(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     for name in CASES:
         tables = _build(name)
-        tables.stage()
-        for call in _calls(tables):
-            call.stage()
         assert not tables.stage().packed.is_pinned()

@@ -152,9 +152,8 @@ def stage_backward(
     key = ("backward", kernel, int(heads), int(head_dim))
     got = tables._derived.get(key)
     if got is None:
-        # The calls the tables' own copies hold (a tree's calls copy their own).
-        copied = [tables] if not isinstance(tables, TreeTables) else [tables.own, *tables.levels]
-        held = {id(c) for t in copied for c in t._copied_calls() if c is not None}
+        # The calls the tables' own copy holds.
+        held = {id(c) for c in tables._copied_calls() if c is not None}
         pieces = {}
         for k, call in _backward_calls(tables, kernel):
             for cut in _backward_cuts(k, call, heads, head_dim):

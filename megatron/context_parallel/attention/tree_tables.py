@@ -139,12 +139,16 @@ class TreeTables(ReadOnlyTables):
         )
 
     def on(self, device: torch.device) -> DeviceTreeTables:
-        """The device tables (built on first use per device, then shared by every layer; the
-        kernel calls ``own`` and ``levels`` copy their own at their first use)."""
+        """The device tables (built on first use per device, then shared by every layer), the
+        kernel calls' (``own``, its split backward's, ``levels``) in the same copy."""
         device = torch.device(device)
         cached = self._device.get(device)
         if cached is None:
-            (moved,) = self.stage().to(device)
+            group = self.stage().copy(device)
+            moved = group.tables[0]
+            for m, call in enumerate(self._copied_calls()[1:], 1):
+                if device not in call._device:  # a call copied on its own keeps its tables
+                    call._adopt(device, group.tables[m], group, m)
             cached = DeviceTreeTables(
                 level_rows=[moved[f"level {i}"] for i in range(len(self.level_rows))],
                 level_slices=self._derived["level_slices"],
@@ -159,8 +163,8 @@ class TreeTables(ReadOnlyTables):
         return cached
 
     def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
-        # The levels' rows, the own part's copy rounds and the slot maps in one copy (the
-        # kernel calls stage their own); the levels' slices are host work of the same pass.
+        # The levels' rows, the own part's copy rounds and the slot maps, and every kernel
+        # call's tables, in one copy; the levels' slices are host work of the same pass.
         own = self.own
         if own.materialize:
             rounds = _copy_rounds(own.kv_source)
@@ -172,7 +176,11 @@ class TreeTables(ReadOnlyTables):
             host[f"own dst {j}"], host[f"own src {j}"] = dst, src
         self._derived["level_slices"] = [_as_slice(r) for r in self.level_rows]
         self._derived["own_rounds"] = len(rounds)
-        return [host]
+        calls = own._copied_tables() + [c._host_tables() for c in self.levels]
+        return [host] + calls
+
+    def _copied_calls(self) -> List[Optional[AttentionRuns]]:
+        return [None, *self.own._copied_calls(), *self.levels]
 
     def describe(self) -> str:
         """One line for logs: the own part's entries and the ancestor calls' entries."""
