@@ -141,6 +141,10 @@ def test_probe_backward_memory_counts_the_table_ops_of_a_prepared_batch():
     for row in rows:
         assert row[1] <= row[0] and row[3] <= row[2] and row[7] <= row[3], out
     assert rows[1][3] > rows[0][3], out
+    # GRPO trees take the same count (their tables' kernel calls in the tree's copy).
+    args = ["--trees", "256+4x64", "--table-ops"]
+    out = _run(["benchmarks/probes/probe_backward_memory.py", *args])
+    assert re.search(f"grpo_256\\+4x64 CP1 S=512: tree tables: .*{cell}", out), out
 
 
 def test_bench_attention_tables_only_on_the_cpu():

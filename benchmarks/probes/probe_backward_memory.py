@@ -20,7 +20,7 @@ the host ms of ``stage_backward`` (the backward's parts and windows cut and laid
 copy), which the first backward spends unless ``prepare(heads=, head_dim=)`` ran it ahead.
 
 Usage: python benchmarks/probes/probe_backward_memory.py [--cases random_rows_cp2,...]
-       [--size 20436] [--table-ops]
+       [--size 20436] [--table-ops] [--trees 4096+8x1024,16384+16x512]
 """
 
 from __future__ import annotations
@@ -38,12 +38,14 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "attention"))
 
-from bench_attention import DIM, GROUPS, HEADS, _sequence, named_cases  # noqa: E402
+from bench_attention import DIM, GROUPS, HEADS, _sequence, named_cases, tree_cases  # noqa: E402
 from timing import GiB, extra_peak_bytes  # noqa: E402
 
+from megatron.context_parallel import ContextParallelPlan  # noqa: E402
 from megatron.context_parallel.attention import cudnn as cudnn_kernel  # noqa: E402
 from megatron.context_parallel.attention.blocks import build_attention_tables  # noqa: E402
 from megatron.context_parallel.attention.fused import fused_attention, stage_backward  # noqa: E402
+from megatron.context_parallel.attention.tree_tables import TreeTables  # noqa: E402
 
 
 class ShapeKernel:
@@ -124,25 +126,40 @@ def main():
     ap.add_argument("--cases", default="random_rows_cp2,block_shuffled_64_cp4,zigzag_cp2")
     ap.add_argument("--size", type=int, default=20436)
     ap.add_argument("--table-ops", action="store_true", help="host ops of tables staged ahead")
+    ap.add_argument(
+        "--trees", default="", help="GRPO trees 'P+GxC,...' at CP 1 instead of the named cases"
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     cpu = torch.device("cpu")
-    for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
+    if args.trees:
+        chosen = []
+        for name, tree in tree_cases(args.trees):
+            plan = ContextParallelPlan.contiguous(tree.seq_len, 1)
+            chosen.append((name, functools.partial(TreeTables.build, plan, 0, tree), tree.seq_len))
+    else:
+        chosen = []
+        for name, plan, rank, cu in named_cases(args.size, args.cases.split(",")):
+            seq = _sequence(plan.seq_len, cu)
+            chosen.append(
+                (name, functools.partial(build_attention_tables, plan, rank, seq), args.size)
+            )
+    for name, make, size in chosen:
 
         # The windows are cut for the real heads and width either way (--table-ops counts ops
         # on narrow inputs: heads and width do not change them).
         kernel = ShapeKernel(window_shape=(HEADS, DIM))
         heads, groups, dim = (2, 1, 8) if args.table_ops else (HEADS, GROUPS, DIM)
 
-        def staged(backward=False, plan=plan, rank=rank, cu=cu, kernel=kernel, shape=(heads, dim)):
-            tables = build_attention_tables(plan, rank, _sequence(plan.seq_len, cu))
+        def staged(backward=False, make=make, kernel=kernel, shape=(heads, dim)):
+            tables = make()
             tables.stage()
             if backward:  # as prepare(heads=, head_dim=), for the inputs' shape
                 stage_backward(tables, *shape, kernel)
             return tables
 
         tables = staged()
-        n = plan.counts[rank]
+        n = tables.rows
         query = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
         kv = torch.zeros(tables.slots, groups, 2 * dim, dtype=torch.bfloat16)
         grad = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
@@ -169,7 +186,7 @@ def main():
                 stage_backward(fresh, heads, dim, kernel)
                 ms.append((time.perf_counter() - start) * 1e3)
             print(
-                f"{name} S={args.size}: {tables.describe()}; host ops (not views) of tables "
+                f"{name} S={size}: {tables.describe()}; host ops (not views) of tables "
                 f"staged ahead: {cells[0]}; with the backward staged ahead: {cells[1]}; "
                 f"stage_backward {sorted(ms)[1]:.2f} ms"
             )
@@ -178,7 +195,7 @@ def main():
         step()
         kept = 2 * query.numel() * 2 + kv.numel() * 2  # output and its gradient, dK / dV
         peak = extra_peak_bytes(step, torch.device("cpu"), kept)
-        print(f"{name} S={args.size}: {tables.describe()}; modelled extra {peak / GiB:.2f} GiB")
+        print(f"{name} S={size}: {tables.describe()}; modelled extra {peak / GiB:.2f} GiB")
 
 
 if __name__ == "__main__":
