@@ -544,3 +544,23 @@ def test_cpu_forward_and_backward_need_no_shim():
         for key, value in errors.items():
             bound = GRAD_RTOL if key.startswith("grad") else ATOL
             assert value <= bound, (key, value)
+
+
+def _prepared_batch(rank, world_size):
+    """TP 2: ``batch.prepare()`` stages the backward for the attention layers' own shape."""
+    from megatron.context_parallel.attention import cudnn
+    from megatron.context_parallel.models.forward import context_parallel_batch
+
+    mc.init_parallel(world_size, 1)
+    model = mc.build_tiny_gpt(num_query_groups=2)
+    attention = model.decoder.layers[0].self_attention
+    shape = (attention.num_attention_heads_per_partition, attention.hidden_size_per_attention_head)
+    ids, labels, cu, _, _ = _case("thd", 1, 7)
+    batch = context_parallel_batch(model, ids, labels, cu_seqlens=cu).prepare()
+    tables = batch.packed_seq_params.runs
+    return batch.attention_shape, shape, ("backward", cudnn.KERNEL, *shape) in tables._derived
+
+
+def test_batch_prepare_stages_the_backward_for_the_models_attention():
+    for mine, theirs, staged in run_distributed(_prepared_batch, 2):
+        assert mine == theirs and staged, (mine, theirs)

@@ -345,6 +345,8 @@ class ContextParallelBatch:
             (megatron divides by a token count summed over DP x CP); ``loss_func()`` does it.
         padding_rows: 1 on a rank that owns no position (it runs one padding row), else 0.
         per_token_loss: the model's ``config.calculate_per_token_loss``.
+        attention_shape: ``(query heads on this TP rank, head dimension)`` of the model's
+            attention layers, for which ``prepare`` stages the backward's calls.
     """
 
     input_ids: Optional[Tensor]
@@ -356,6 +358,7 @@ class ContextParallelBatch:
     cp_size: int
     padding_rows: int
     per_token_loss: bool = False
+    attention_shape: Optional[Tuple[int, int]] = None
 
     def forward_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of ``GPTModel.forward`` (``model(**batch.forward_kwargs())``)."""
@@ -369,10 +372,12 @@ class ContextParallelBatch:
 
     def prepare(self, device=None, *, heads=None, head_dim=None) -> "ContextParallelBatch":
         """Builds the batch's attention tables ahead of the forward (see
-        ``ContextParallelParams.prepare``, whose arguments these are); nothing to do for
-        batches without the package's params (TE, megatron-core's attention). Returns
-        ``self``."""
+        ``ContextParallelParams.prepare``, whose arguments these are; ``heads`` and
+        ``head_dim`` default to ``attention_shape``, the model's); nothing to do for batches
+        without the package's params (TE, megatron-core's attention). Returns ``self``."""
         if isinstance(self.packed_seq_params, ContextParallelParams):
+            if heads is None and head_dim is None and self.attention_shape is not None:
+                heads, head_dim = self.attention_shape
             self.packed_seq_params.prepare(device, heads=heads, head_dim=head_dim)
         return self
 
@@ -758,8 +763,15 @@ def _prepare_batch(
         cp_size=cp_size,
         padding_rows=padding,
         per_token_loss=bool(config.calculate_per_token_loss),
+        attention_shape=_attention_shape(config, tp_size),
     )
     return batch, _call_description(plan, options, cu, backend, labels, input_ids, tree)
+
+
+def _attention_shape(config, tp_size: int) -> Tuple[int, int]:
+    """(query heads on one TP rank, head dimension) of a megatron ``TransformerConfig``."""
+    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads // tp_size, head_dim
 
 
 def _tree_outputs(tree: Optional[PrefixTree], labels: Optional[Tensor]) -> Dict[str, Any]:
