@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from megatron.context_parallel import ContextParallelPlan
 from megatron.context_parallel.attention.blocks import AttentionBlocks
 from megatron.context_parallel.attention.runs import AttentionRuns, copy_calls
+from megatron.context_parallel.attention.staging import StagedTables
 
 CPU = torch.device("cpu")
 
@@ -105,3 +107,18 @@ def test_copy_calls_copies_only_the_calls_not_on_the_device():
     assert runs.on(CPU) is first
     groups = {id(w.on(CPU).group) for w in windows}
     assert len(groups) == 1 and id(first.group) not in groups
+
+
+def test_staged_calls_must_hold_the_per_entry_tables():
+    """A dict outside the calls holding a per-entry table (or a call's dict lacking one) would
+    shift every later call's region: refused."""
+    plan, sequence = _plan(5, 2, 40, True)
+    runs = AttentionRuns.build(plan, 0, sequence, merge_gap=1)
+    call = runs._host_tables(call_only=True)
+    stray = {"q_rows": torch.arange(3)}
+    with pytest.raises(ValueError, match="per-entry tables"):
+        StagedTables([stray, call], calls=[None, runs])
+    partial = {k: v for k, v in call.items() if k != "kv_rows"}
+    with pytest.raises(ValueError, match="per-entry tables"):
+        StagedTables([partial], calls=[runs])
+    StagedTables([{"other": torch.arange(2)}, call], calls=[None, runs])  # accepted

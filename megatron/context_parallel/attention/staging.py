@@ -92,6 +92,19 @@ class StagedTables:
         if self._layout is not None:
             tables.append(self._layout.host_tables())
         names = [(i, k) for i, t in enumerate(tables) for k, v in t.items() if v is not None]
+        if members:
+            # The group reads the per-entry regions call by call: the calls' dicts, and only
+            # they, must hold every per-entry table.
+            per_entry = set(_LENGTHS + _ROWS)
+            calls_at = {i for i, _ in members}
+            holders = {i for i, k in names if k in per_entry}
+            whole = all(per_entry <= {k for i2, k in names if i2 == i} for i in calls_at)
+            if holders != calls_at or not whole:
+                raise ValueError(
+                    f"the per-entry tables {sorted(per_entry)} must be the calls' dicts' "
+                    f"(dicts {sorted(calls_at)}), each holding all of them; found them in "
+                    f"dicts {sorted(holders)}"
+                )
         names.sort(key=lambda name: (name[1] not in int32, name[1]))
         flat = [tables[i][k].reshape(-1) for i, k in names]
         # Packed straight into pinned memory where pinned: the caching host allocator hands back
