@@ -43,11 +43,13 @@ def _pieces(call: AttentionRuns, max_rows: int):
     return parts + [w for c in [call, *parts] for w in c.backward_windows(max_rows)]
 
 
-def _check(calls):
-    """Each call's derived device tables against those it derives alone."""
+def _check(calls) -> int:
+    """Each call's derived device tables against those it derives alone; returns how many
+    came from a group (a copy of one call has none)."""
+    grouped = 0
     for call in calls:
         dev = call.on(CPU)
-        assert dev.group is not None, call.describe()
+        grouped += dev.group is not None
         alone = dataclasses.replace(dev, group=None, _offsets={})
         for which, stride in (("q_rows", 3), ("kv_rows", 5), ("mat_rows", 7), ("q_rows", 1)):
             mine, theirs = dev.offsets(which, stride), alone.offsets(which, stride)
@@ -62,6 +64,7 @@ def _check(calls):
             assert dev.kv_source is None
         for mine, theirs in pairs:
             assert mine.dtype == theirs.dtype == torch.int64 and torch.equal(mine, theirs)
+    return grouped
 
 
 @settings(max_examples=40, deadline=None)
@@ -106,19 +109,25 @@ def test_copy_calls_copies_only_the_calls_not_on_the_device():
     copy_calls([runs, *windows, windows[0]], CPU)
     assert runs.on(CPU) is first
     groups = {id(w.on(CPU).group) for w in windows}
-    assert len(groups) == 1 and id(first.group) not in groups
+    assert len(groups) == 1 and None not in {w.on(CPU).group for w in windows}
+    assert first.group is None or id(first.group) not in groups
+    assert _check(windows) == len(windows)
+    # A copy of one call derives its own tables: no group.
+    alone = AttentionRuns.build(plan, 1, sequence, merge_gap=1)
+    if not alone.backward_split():
+        assert alone.on(CPU).group is None
 
 
 def test_staged_calls_must_hold_the_per_entry_tables():
     """A dict outside the calls holding a per-entry table (or a call's dict lacking one) would
     shift every later call's region: refused."""
     plan, sequence = _plan(5, 2, 40, True)
-    runs = AttentionRuns.build(plan, 0, sequence, merge_gap=1)
-    call = runs._host_tables(call_only=True)
+    runs = [AttentionRuns.build(plan, r, sequence, merge_gap=1) for r in range(2)]
+    call = [r._host_tables(call_only=True) for r in runs]
     stray = {"q_rows": torch.arange(3)}
     with pytest.raises(ValueError, match="per-entry tables"):
-        StagedTables([stray, call], calls=[None, runs])
-    partial = {k: v for k, v in call.items() if k != "kv_rows"}
+        StagedTables([stray, *call], calls=[None, *runs])
+    partial = {k: v for k, v in call[0].items() if k != "kv_rows"}
     with pytest.raises(ValueError, match="per-entry tables"):
-        StagedTables([partial], calls=[runs])
-    StagedTables([{"other": torch.arange(2)}, call], calls=[None, runs])  # accepted
+        StagedTables([partial, call[1]], calls=runs)
+    StagedTables([{"other": torch.arange(2)}, *call], calls=[None, *runs])  # accepted

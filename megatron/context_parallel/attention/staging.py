@@ -70,8 +70,9 @@ class StagedTables:
         int32: names converted to int32 on the device (their region converts as one tensor).
         pin: pin the buffer (for a CUDA device; ``copy`` pins an unpinned one itself).
         calls: per dict, the kernel call (``AttentionRuns``) whose per-entry tables it holds
-            (``_LENGTHS`` and ``_ROWS`` present), or None; with calls the copy also carries the
-            per-entry tables the group derives its row tables from (``DeviceGroup``).
+            (``_LENGTHS`` and ``_ROWS`` present), or None; with two calls or more the copy also
+            carries the per-entry tables the group derives its row tables from
+            (``DeviceGroup``).
         row_maps: the group derives the calls' key sources and entry rows too (a backward's
             parts and windows never read theirs: their whole call's serve).
     """
@@ -87,6 +88,10 @@ class StagedTables:
         tables = list(tables)
         self._count = len(tables)
         members = [(i, c) for i, c in enumerate(calls or ()) if c is not None]
+        if len(members) < 2:
+            # One call derives its own tables in as many ops as the group would, without the
+            # group's per-entry tables.
+            members = []
         self._members = members
         self._layout = _GroupLayout(members, row_maps) if members else None
         if self._layout is not None:
