@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.context_parallel import ContextParallelPlan
+from attention.test_runs import WINDOW_DRAWS, _drawn_plan, _sequence
 from megatron.context_parallel.attention.blocks import AttentionBlocks
 from megatron.context_parallel.attention.runs import AttentionRuns, copy_calls
 from megatron.context_parallel.attention.staging import StagedTables
@@ -18,22 +18,11 @@ from megatron.context_parallel.attention.staging import StagedTables
 CPU = torch.device("cpu")
 
 
-def _plan(seed: int, cp: int, seq_len: int, packed: bool):
-    """Every position to a random rank, each rank's rows in a random order; three random
-    sequence cuts when ``packed``. Returns the plan and the packed sequence of each position."""
-    g = torch.Generator().manual_seed(seed)
-    cu = [0, seq_len]
-    if packed:
-        cu = [0] + sorted(torch.randint(0, seq_len + 1, (3,), generator=g).tolist()) + [seq_len]
-    owner = torch.randint(0, cp, (seq_len,), generator=g)
-    ranks = []
-    for r in range(cp):
-        pos = torch.nonzero(owner == r).flatten()
-        ranks.append(pos[torch.randperm(pos.numel(), generator=g)])
-    plan = ContextParallelPlan.from_rank_positions(ranks, seq_len, tuple(cu))
-    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
-    sequence = torch.repeat_interleave(torch.arange(len(cu) - 1), lengths)
-    return plan, sequence
+def _plan(seed: int, cp: int, seq_len: int, packed: bool, unowned: float = 0.0):
+    """``test_runs``' random plan (positions dealt at random, each rank's rows in a random
+    order, three random sequence cuts when ``packed``) and its packed sequence per position."""
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    return plan, _sequence(seq_len, cu)
 
 
 def _pieces(call: AttentionRuns, max_rows: int):
@@ -69,18 +58,17 @@ def _check(calls) -> int:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    seed=st.integers(0, 2**16),
-    cp=st.integers(1, 4),
-    seq_len=st.integers(2, 96),
-    packed=st.booleans(),
-    max_rows=st.integers(1, 120),
+    **WINDOW_DRAWS,
+    unowned=st.sampled_from([0.0, 0.2]),
     group_rows=st.sampled_from([1, 2, 4]),
 )
-def test_a_groups_row_tables_are_each_calls_own(seed, cp, seq_len, packed, max_rows, group_rows):
+def test_a_groups_row_tables_are_each_calls_own(
+    seed, cp, seq_len, packed, max_rows, unowned, group_rows
+):
     """The run tables' call and its split parts (one copy, ``on``), the blocked layout's calls
     (one copy), and every backward part and window of either (``copy_calls``, one copy more):
     offsets at several strides, the statistics index, entry rows and key sources."""
-    plan, sequence = _plan(seed, cp, seq_len, packed)
+    plan, sequence = _plan(seed, cp, seq_len, packed, unowned)
     for rank in range(cp):
         runs = AttentionRuns.build(plan, rank, sequence, merge_gap=1)
         runs.on(CPU)
