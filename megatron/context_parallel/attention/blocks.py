@@ -228,10 +228,7 @@ class AttentionBlocks(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
-        group = self.stage().copy(device)
-        moved = group.tables[0]
-        for m, call in enumerate(self.calls(), 1):
-            call._adopt(device, group.tables[m], group, m)
+        moved = self._copy(device).tables[0]
         if moved["has_bulk"] is not None:
             moved["has_bulk"] = moved["has_bulk"].bool().unsqueeze(-1)
         out = DeviceBlocks(**moved)

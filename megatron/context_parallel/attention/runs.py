@@ -433,6 +433,13 @@ class ReadOnlyTables:
                 self._derived["staged"] = staged
         return staged
 
+    def _copy(self, device: torch.device) -> DeviceGroup:
+        """The staged tables' one copy to ``device``; each kernel call among them not yet on
+        ``device`` takes its dict (``adopt_calls``)."""
+        group = self.stage().copy(device)
+        adopt_calls(self._copied_calls() or (), group, device)
+        return group
+
     def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
         raise NotImplementedError
 
@@ -676,9 +683,7 @@ class AttentionRuns(ReadOnlyTables):
         cached = self._device.get(device)
         if cached is not None:
             return cached
-        group = self.stage().copy(device)
-        for m, call in enumerate(self._copied_calls()):
-            call._adopt(device, group.tables[m], group, m)
+        self._copy(device)
         return self._device[device]
 
     def _copied_tables(self) -> List[Dict[str, Optional[torch.Tensor]]]:
@@ -888,11 +893,11 @@ def stage_calls(calls) -> StagedTables:
 
 
 def adopt_calls(calls, group: DeviceGroup, device: torch.device) -> None:
-    """Gives each of ``calls`` not yet on ``device`` its tables of ``group`` (the copy of
-    ``stage_calls(calls)``)."""
+    """Gives each of ``calls`` (per dict of ``group``'s copy: its call, or None) not yet on
+    ``device`` its tables of ``group``; a call copied before keeps its own."""
     device = torch.device(device)
     for m, call in enumerate(calls):
-        if device not in call._device:
+        if call is not None and device not in call._device:
             call._adopt(device, group.tables[m], group, m)
 
 

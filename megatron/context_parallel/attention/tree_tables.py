@@ -144,11 +144,7 @@ class TreeTables(ReadOnlyTables):
         device = torch.device(device)
         cached = self._device.get(device)
         if cached is None:
-            group = self.stage().copy(device)
-            moved = group.tables[0]
-            for m, call in enumerate(self._copied_calls()[1:], 1):
-                if device not in call._device:  # a call copied on its own keeps its tables
-                    call._adopt(device, group.tables[m], group, m)
+            moved = self._copy(device).tables[0]
             cached = DeviceTreeTables(
                 level_rows=[moved[f"level {i}"] for i in range(len(self.level_rows))],
                 level_slices=self._derived["level_slices"],
