@@ -247,10 +247,8 @@ class DeviceGroup:
     def offsets(self, i: int, which: str, stride: int) -> torch.Tensor:
         """int64 ``[batch + 1, 1, 1, 1]``: call ``i``'s ``which`` rows (``q_rows``, ``kv_rows``
         or ``mat_rows``) times ``stride``, a view of one product over every call's."""
-        key = (which, int(stride))
-        scaled = self._made.get(key)
-        if scaled is None:
-            scaled = self._made[key] = self._regions[which] * int(stride)
+        stride = int(stride)
+        scaled = self._once((which, stride), lambda: self._regions[which] * stride)
         first = self._at[(i, which)]
         return scaled[first : first + self._layout.batch[self._index[i]] + 1].view(-1, 1, 1, 1)
 
@@ -258,51 +256,62 @@ class DeviceGroup:
         """int64 ``[batch * max_q]``: call ``i``'s statistics index (``DeviceRuns.stats_index``
         at the call's own ``max_q``)."""
         lay = self._layout
-        made = self._made.get("stats")
-        if made is None:
-            made = self._made["stats"] = _expand(
+        made = self._once(
+            "stats",
+            lambda: _expand(
                 lay.stats_at[-1],
                 self._group[_GROUP + "stats"],
                 self._row_of("q_rows"),
-                self._regions["seq_len_q"].to(torch.int64),
+                self._lengths("seq_len_q"),
                 sum(lay.q_total),
-            )
-        m = self._index[i]
-        return made[lay.stats_at[m] : lay.stats_at[m + 1]]
+            ),
+        )
+        return self._slice(made, lay.stats_at, i)
 
     def key_sources(self, i: int) -> torch.Tensor:
         """int64 ``[mat_rows]``: call ``i``'s key sources (``DeviceRuns.kv_source``)."""
         lay = self._layout
-        made = self._made.get("kv")
-        if made is None:
-            take = self._group[_GROUP + "kv take"]
-            made = self._made["kv"] = _expand(
+        made = self._once(
+            "kv",
+            lambda: _expand(
                 lay.kv_at[-1],
                 self._group[_GROUP + "kv at"] + self._row_of("mat_rows"),
                 self._row_of("kv_rows"),
-                self._regions["seq_len_kv"].to(torch.int64) * take,
+                self._lengths("seq_len_kv") * self._group[_GROUP + "kv take"],
                 lay.key_total,
-            )
-        m = self._index[i]
-        return made[lay.kv_at[m] : lay.kv_at[m + 1]]
+            ),
+        )
+        return self._slice(made, lay.kv_at, i)
 
     def entry_rows(self, i: int) -> torch.Tensor:
         """int64 ``[sum of q_len]``: call ``i``'s entry rows (``DeviceRuns.entry_rows``)."""
         lay = self._layout
-        made = self._made.get("entries")
-        if made is None:
-            entry, offset = spread(self._regions["seq_len_q"].to(torch.int64), sum(lay.q_total))
-            made = self._made["entries"] = self._row_of("q_rows")[entry] + offset
+
+        def make():
+            entry, offset = spread(self._lengths("seq_len_q"), sum(lay.q_total))
+            return self._row_of("q_rows")[entry] + offset
+
+        return self._slice(self._once("entries", make), lay.entries_at, i)
+
+    def _once(self, key, make) -> torch.Tensor:
+        """``make()``, made at the first request of ``key`` and kept."""
+        out = self._made.get(key)
+        if out is None:
+            out = self._made[key] = make()
+        return out
+
+    def _slice(self, made: torch.Tensor, starts: List[int], i: int) -> torch.Tensor:
+        """Call ``i``'s part of a table made for every call, laid out at ``starts``."""
         m = self._index[i]
-        return made[lay.entries_at[m] : lay.entries_at[m + 1]]
+        return made[starts[m] : starts[m + 1]]
+
+    def _lengths(self, which: str) -> torch.Tensor:
+        """int64 ``[E]``: each entry's ``which`` length (``seq_len_q`` / ``seq_len_kv``)."""
+        return self._once(("lengths", which), lambda: self._regions[which].to(torch.int64))
 
     def _row_of(self, which: str) -> torch.Tensor:
         """int64 ``[E]``: each entry's ``which`` row (the closing offsets skipped)."""
-        key = ("row", which)
-        out = self._made.get(key)
-        if out is None:
-            out = self._made[key] = self._regions[which][self._group[_GROUP + "row"]]
-        return out
+        return self._once(("row", which), lambda: self._regions[which][self._group[_GROUP + "row"]])
 
 
 def _expand(size: int, dst, src, lengths, total: int) -> torch.Tensor:
