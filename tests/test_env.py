@@ -194,3 +194,25 @@ def test_host_tables_loader_outcomes(monkeypatch):
         assert _extension.host_tables() is None
     assert [type(w.message) for w in caught] == [RuntimeWarning]
     assert "undefined symbol" in str(caught[0].message)
+
+
+_import_host_module = _extension._import_host_module  # the real one (tests patch it)
+
+
+@pytest.mark.skipif(_extension.host_tables() is None, reason="host builders not built")
+def test_host_tables_built_from_older_sources_are_broken(monkeypatch):
+    # A library that lacks an op the package calls (built before it existed) is not called into:
+    # one warning naming the op and asking for a rebuild, and torch-op tables.
+    for name in ("MCP_REQUIRE_EXTENSION", "MCP_DISABLE_EXTENSION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_extension, "_host_state", None)
+    monkeypatch.setattr(_extension, "_import_host_module", _import_host_module)
+    monkeypatch.setattr(_extension, "_HOST_OPS", (*_extension._HOST_OPS, "no_such_op"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _extension.host_tables() is None
+    assert [type(w.message) for w in caught] == [RuntimeWarning]
+    assert "built from older sources (no no_such_op)" in str(caught[0].message)
+    assert "rebuild" in str(caught[0].message)
+    monkeypatch.undo()
+    assert _extension.host_tables() is not None

@@ -49,6 +49,11 @@ std::pair<at::Tensor, int64_t*> alloc(int64_t n) {
 // The owned positions in source order (compact keys): for each its all-gather slot, packed
 // sequence and its sequence's first compact key; and each position's compact key (an unowned
 // position holds its predecessor's, -1 before the first owned one).
+// Where every position is owned (no padding, the common case) the compact keys are the
+// positions themselves: the slots are row_source, the sequences are `sequence` and each
+// position is its own key, so only the sequence starts are written and the other three come
+// back empty (the caller reads its own tensors; CompactKeys). At S = 131,072 that leaves one
+// pass and 1 MB written of the 4 MB and four passes a full layout costs.
 std::vector<at::Tensor> compact_keys(const at::Tensor& row_source, const at::Tensor& sequence) {
   const int64_t* src = read(row_source, "compact_keys: row_source");
   const int64_t* seq = read(sequence, "compact_keys: sequence");
@@ -58,8 +63,6 @@ std::vector<at::Tensor> compact_keys(const at::Tensor& row_source, const at::Ten
   int64_t count = 0;
   for (int64_t p = 0; p < s_len; ++p) count += src[p] >= 0;
   if (count == s_len) {
-    // Every position owned (no padding): the compact keys are the positions themselves, and
-    // only the sequence starts need a pass.
     at::Tensor key_start = at::empty({s_len}, at::kLong);
     int64_t* kst = key_start.data_ptr<int64_t>();
     int64_t start = 0;  // in a register: through kst[k - 1] each step waits on a store
@@ -67,7 +70,7 @@ std::vector<at::Tensor> compact_keys(const at::Tensor& row_source, const at::Ten
       if (k > 0 && seq[k] != seq[k - 1]) start = k;
       kst[k] = start;
     }
-    return {row_source.clone(), at::arange(s_len, at::kLong), sequence.clone(), key_start};
+    return {none(), none(), none(), key_start};
   }
   at::Tensor slots = at::empty({count}, at::kLong), of_position = at::empty({s_len}, at::kLong);
   at::Tensor key_seq = at::empty({count}, at::kLong), key_start = at::empty({count}, at::kLong);
@@ -117,51 +120,101 @@ int64_t balanced_budget(const Vec& size, int64_t budget) {
   return lo;
 }
 
-// One rank's rows as compact keys: `compact` (the key of each local row, each checked in range
-// and owned once), `sorted` (the keys in ascending order), `order` (the local row of each sorted
-// key; empty when the rows already come in key order, `ascending`, as in every run plan) and
-// `work` (the rows' own causal score elements, from each row's sequence start to itself). Rows
-// in key order are their own order: no copy and no pass over all the keys; otherwise a counting
-// pass.
+// One rank's rows as compact keys, made once per batch and rank (rank_keys) and read by
+// every layout builder and cost below: `sorted`, the rank's keys in ascending order, and
+// `order`, the local row of each sorted key (null when the local rows already come in key
+// order, as in every run plan). Pointers into tensors the caller holds.
 struct RankKeys {
-  Vec compact, by_key, order;  // by_key: the sorted keys where they differ from compact
-  bool ascending = true;
-  int64_t work = 0;
+  const int64_t* sorted = nullptr;
+  const int64_t* order = nullptr;
+  int64_t n = 0;
 
-  const Vec& sorted() const { return ascending ? compact : by_key; }
-  int64_t local_of_sorted(int64_t i) const { return ascending ? i : order[i]; }
+  bool ascending() const { return order == nullptr; }
+  int64_t local_of_sorted(int64_t i) const { return order ? order[i] : i; }
 };
 
-RankKeys rank_keys(const at::Tensor& positions, const at::Tensor& of_position,
-                   const int64_t* kstart, int64_t num_keys, const char* what) {
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* of = of_position.data_ptr<int64_t>();
-  const int64_t n = positions.numel();
+// The rank keys a builder is handed (rank_keys' output), checked before they index anything:
+// ascending keys within [0, num_keys), local rows within [0, n). Read-only passes, a few tens
+// of microseconds at S = 131,072.
+RankKeys read_rank_keys(const at::Tensor& sorted, const at::Tensor& order, int64_t num_keys,
+                        const char* what) {
   RankKeys rk;
-  rk.compact.resize(n);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < of_position.numel(), what, ": position ", pos[i],
-                " out of range");
-    const int64_t k = rk.compact[i] = of[pos[i]];
-    TORCH_CHECK(k >= 0 && k < num_keys, what, ": local position ", pos[i],
-                " is not an owned position of its own");
-    rk.work += k - kstart[k] + 1;
-    rk.ascending = rk.ascending && (i == 0 || k > rk.compact[i - 1]);
-  }
-  if (rk.ascending) return rk;
-  Vec local_of_key(num_keys, -1);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(local_of_key[rk.compact[i]] < 0, what, ": local position ", pos[i],
-                " is not an owned position of its own");
-    local_of_key[rk.compact[i]] = i;
-  }
-  rk.by_key.reserve(n), rk.order.reserve(n);
-  for (int64_t k = 0; k < num_keys; ++k) {
-    if (local_of_key[k] < 0) continue;
-    rk.by_key.push_back(k);
-    rk.order.push_back(local_of_key[k]);
+  rk.sorted = read(sorted, what);
+  rk.n = sorted.numel();
+  bool ascending = true;
+  for (int64_t i = 1; i < rk.n; ++i) ascending &= rk.sorted[i] > rk.sorted[i - 1];
+  TORCH_CHECK(ascending && (rk.n == 0 || (rk.sorted[0] >= 0 && rk.sorted[rk.n - 1] < num_keys)),
+              what, ": the sorted keys must ascend within the ", num_keys, " keys");
+  if (order.numel() > 0) {
+    TORCH_CHECK(order.numel() == rk.n, what, ": ", order.numel(), " local rows for ", rk.n,
+                " keys");
+    rk.order = read(order, what);
+    bool in_range = true;
+    for (int64_t i = 0; i < rk.n; ++i) in_range &= rk.order[i] >= 0 && rk.order[i] < rk.n;
+    TORCH_CHECK(in_range, what, ": a local row outside the ", rk.n, " rows");
   }
   return rk;
+}
+
+// The compact key of local row i: of_position[positions[i]], or the position itself where
+// of_position is empty (every position owned: compact_keys).
+inline int64_t key_of(const int64_t* pos, const int64_t* of, int64_t i) {
+  return of ? of[pos[i]] : pos[i];
+}
+
+// One rank's rows as compact keys (RankKeys): returns (sorted, order) and
+// [work, sorted_is_positions]. Each local position is checked in range and owned once; `work`
+// is the rows' own causal score elements (each row's keys from its sequence's start to itself).
+// Rows in key order are their own order: `order` comes back empty, and where the keys are the
+// positions themselves `sorted` too (sorted_is_positions: the caller's `positions` are the
+// sorted keys), so a run plan's keys cost one read-only pass. Otherwise a counting pass.
+std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> rank_keys(
+    const at::Tensor& positions, const at::Tensor& of_position,
+    const at::Tensor& key_sequence_start) {
+  const int64_t* pos = read(positions, "rank_keys: positions");
+  const int64_t* of = of_position.numel() > 0 ? read(of_position, "rank_keys: of_position")
+                                              : nullptr;
+  const int64_t* kstart = read(key_sequence_start, "rank_keys: key_sequence_start");
+  const int64_t n = positions.numel(), num_keys = key_sequence_start.numel();
+  const int64_t s_len = of ? of_position.numel() : num_keys;
+  int64_t work = 0;
+  bool ascending = true;
+  int64_t previous = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < s_len, "rank_keys: position ", pos[i], " out of range");
+    const int64_t k = key_of(pos, of, i);
+    TORCH_CHECK(k >= 0 && k < num_keys, "rank_keys: local position ", pos[i],
+                " is not an owned position of its own");
+    work += k - kstart[k] + 1;
+    ascending = ascending && k > previous;
+    previous = k;
+  }
+  if (ascending) {
+    if (!of) return {{none(), none()}, {work, 1}};
+    at::Tensor sorted;
+    int64_t* out;
+    std::tie(sorted, out) = alloc(n);
+    for (int64_t i = 0; i < n; ++i) out[i] = of[pos[i]];
+    return {{sorted, none()}, {work, 0}};
+  }
+  Vec local_of_key(num_keys, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = key_of(pos, of, i);
+    TORCH_CHECK(local_of_key[k] < 0, "rank_keys: local position ", pos[i],
+                " is not an owned position of its own");
+    local_of_key[k] = i;
+  }
+  at::Tensor sorted, order;
+  int64_t *by_key, *local;
+  std::tie(sorted, by_key) = alloc(n);
+  std::tie(order, local) = alloc(n);
+  int64_t j = 0;
+  for (int64_t k = 0; k < num_keys; ++k) {
+    if (local_of_key[k] < 0) continue;
+    by_key[j] = k;
+    local[j++] = local_of_key[k];
+  }
+  return {{sorted, order}, {work, 0}};
 }
 
 // Packs each entry's key-gradient rows in the order of its query rows (not the kernel's entry
@@ -182,28 +235,37 @@ int64_t lay_out_by_rows(const Vec& q_start, const Vec& kv_len, Vec& mat_start) {
   return rows;
 }
 
-// The entries of one rank's rows (AttentionRuns.build). Returns the tensors
+// The entries of one rank's rows (AttentionRuns.build), from its keys (rank_keys: `sorted`,
+// `order`). Returns the tensors
 //   q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span, entry_copy
 // (empty where the flags say absent) and the flags
-//   identity, query_rows, materialize, mat_rows, keys_covered, copies, work (score elements of
-//   the rows' own causal attention: each row's keys from its sequence's start to itself).
+//   identity, query_rows, materialize, mat_rows, keys_covered, copies.
 std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
-    const at::Tensor& positions, const at::Tensor& of_position, const at::Tensor& sequence,
-    const at::Tensor& key_slots, const at::Tensor& key_sequence,
+    const at::Tensor& positions, const at::Tensor& of_position, const at::Tensor& sorted_keys,
+    const at::Tensor& sorted_order, const at::Tensor& key_sequence,
     const at::Tensor& key_sequence_start, int64_t padding_rows, int64_t merge_gap,
     bool longest_first) {
   const int64_t* pos = read(positions, "run_tables: positions");
-  read(of_position, "run_tables: of_position");
-  const int64_t* seq = read(sequence, "run_tables: sequence");
+  const int64_t* of = of_position.numel() > 0 ? read(of_position, "run_tables: of_position")
+                                              : nullptr;
   const int64_t* kseq = read(key_sequence, "run_tables: key_sequence");
   const int64_t* kstart = read(key_sequence_start, "run_tables: key_sequence_start");
   const int64_t n = positions.numel();
-  const int64_t num_keys = key_slots.numel();
+  const int64_t num_keys = key_sequence_start.numel();
   const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
 
-  const RankKeys rk = rank_keys(positions, of_position, kstart, num_keys, "run_tables");
-  const Vec &compact = rk.compact, &sorted = rk.sorted();
-  const int64_t work = rk.work;
+  const RankKeys rk = read_rank_keys(sorted_keys, sorted_order, num_keys, "run_tables: rank keys");
+  TORCH_CHECK(rk.n == n, "run_tables: ", rk.n, " rank keys for ", n, " local rows");
+  const int64_t* sorted = rk.sorted;
+  const int64_t s_len = of ? of_position.numel() : num_keys;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < s_len, "run_tables: position ", pos[i], " out of range");
+    const int64_t k = key_of(pos, of, i);
+    TORCH_CHECK(k >= 0 && k < num_keys, "run_tables: local position ", pos[i],
+                " is not an owned position of its own");
+  }
+  // Local row i's compact key.
+  auto compact = [&](int64_t i) { return key_of(pos, of, i); };
   // Spans: sorted keys of one sequence closer than the merge gap.
   Vec span_lo, span_len, span_first;
   span_lo.reserve(n), span_len.reserve(n), span_first.reserve(n);
@@ -223,7 +285,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   if (span_rows == n) {
     int64_t runs = n > 0 ? 1 : 0;
     for (int64_t i = 1; i < n; ++i) {
-      runs += compact[i] - compact[i - 1] != 1 || seq[pos[i]] != seq[pos[i - 1]];
+      const int64_t k = compact(i), before = compact(i - 1);
+      runs += k - before != 1 || kseq[k] != kseq[before];
     }
     identity = runs == spans;
   }
@@ -232,10 +295,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   int64_t query_rows;
   if (identity) {
     for (int64_t i = 0; i < n; ++i) {
-      if (i == 0 || compact[i] - compact[i - 1] != 1 || seq[pos[i]] != seq[pos[i - 1]]) {
+      const int64_t k = compact(i);
+      if (i == 0 || k - compact(i - 1) != 1 || kseq[k] != kseq[compact(i - 1)]) {
         q_start.push_back(i);
         q_len.push_back(0);
-        lo.push_back(compact[i]);
+        lo.push_back(k);
       }
       ++q_len.back();
     }
@@ -333,8 +397,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   std::vector<at::Tensor> out = {tensor(q_start), tensor(q_len),     tensor(k_start),
                                  tensor(kv_len),  tensor(mat_start),   span_source,
                                  local_to_span,   tensor(entry_copy)};
-  std::vector<int64_t> flags = {identity,     query_rows, materialize, mat_rows,
-                                keys_covered, copies,     work};
+  std::vector<int64_t> flags = {identity, query_rows, materialize, mat_rows, keys_covered, copies};
   return {out, flags};
 }
 
@@ -394,23 +457,23 @@ double tile_cost(const at::Tensor& q_len, const at::Tensor& kv_len, bool causal,
 }
 
 // What the layout choice reads of the run tables (runs.run_entries then
-// blocks._tile_cost), without laying out a table: [the entries' causal tile cost, the
-// rows' own causal work]. The entries are run_tables' spans: sorted keys of one sequence closer
-// than the merge gap, each attending its sequence's keys up to its end. A plan that scatters a
-// rank's rows gives it about one entry per row, so this pass, not the tables, decides.
-std::vector<double> run_cost(const at::Tensor& positions, const at::Tensor& of_position,
-                             const at::Tensor& key_sequence, const at::Tensor& key_sequence_start,
-                             int64_t merge_gap, int64_t tile) {
-  read(positions, "run_cost: positions");
-  read(of_position, "run_cost: of_position");
+// blocks._tile_cost), without laying out a table: the entries' causal tile cost, from the
+// rank's sorted keys (rank_keys). The entries are run_tables' spans: sorted keys of one
+// sequence closer than the merge gap, each attending its sequence's keys up to its end. A plan
+// that scatters a rank's rows gives it about one entry per row, so this pass, not the tables,
+// decides.
+double run_cost(const at::Tensor& sorted_keys, const at::Tensor& key_sequence,
+                const at::Tensor& key_sequence_start, int64_t merge_gap, int64_t tile) {
   const int64_t* kseq = read(key_sequence, "run_cost: key_sequence");
   const int64_t* kstart = read(key_sequence_start, "run_cost: key_sequence_start");
-  const int64_t num_keys = key_sequence.numel();
+  const int64_t n = sorted_keys.numel();
+  const int64_t* sorted =
+      read_rank_keys(sorted_keys, none(), key_sequence.numel(), "run_cost: rank keys").sorted;
   const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
   TORCH_CHECK(tile >= 1, "run_cost: tile must be positive");
-  const RankKeys rk = rank_keys(positions, of_position, kstart, num_keys, "run_cost");
   int64_t cost = 0, lo = -1, last = -1;
-  for (const int64_t k : rk.sorted()) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = sorted[i];
     if (lo >= 0 && (k - last > gap_limit || kseq[k] != kseq[last])) {
       cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
       lo = -1;
@@ -419,7 +482,7 @@ std::vector<double> run_cost(const at::Tensor& positions, const at::Tensor& of_p
     last = k;
   }
   if (lo >= 0) cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
-  return {static_cast<double>(cost), static_cast<double>(rk.work)};
+  return static_cast<double>(cost);
 }
 
 // One kernel call of the blocked layout (AttentionRuns.from_entries): its entries longest
@@ -467,8 +530,7 @@ struct Groups {
   Vec first, length, lo, hi, start, index, size;
 };
 
-Groups make_groups(const Vec& sorted, const int64_t* kstart, int64_t group_rows) {
-  const int64_t n = static_cast<int64_t>(sorted.size());
+Groups make_groups(const int64_t* sorted, int64_t n, const int64_t* kstart, int64_t group_rows) {
   Groups gr;
   for (Vec* v : {&gr.first, &gr.length, &gr.lo, &gr.hi, &gr.start, &gr.index, &gr.size}) {
     v->reserve(n / group_rows + 64);
@@ -509,28 +571,29 @@ Groups make_groups(const Vec& sorted, const int64_t* kstart, int64_t group_rows)
 //   then per call (bulk, diagonal, levels) its query_rows and mat_rows, then per diagonal call
 //   its first and end sorted row.
 std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
-    const at::Tensor& positions, const at::Tensor& of_position, const at::Tensor& key_slots,
+    const at::Tensor& sorted_keys, const at::Tensor& sorted_order, const at::Tensor& key_slots,
     const at::Tensor& key_sequence_start, int64_t group_rows, int64_t span_budget, int64_t slots,
     bool slots_in_source_order) {
-  read(positions, "block_tables: positions");
-  read(of_position, "block_tables: of_position");
   const int64_t* kslot = read(key_slots, "block_tables: key_slots");
   const int64_t* kstart = read(key_sequence_start, "block_tables: key_sequence_start");
-  const int64_t n = positions.numel();
-  const int64_t num_keys = key_slots.numel();
+  const int64_t num_keys = key_sequence_start.numel();
+  const RankKeys rk =
+      read_rank_keys(sorted_keys, sorted_order, num_keys, "block_tables: rank keys");
+  const int64_t n = rk.n;
+  TORCH_CHECK(key_slots.numel() == num_keys, "block_tables: ", key_slots.numel(),
+              " key slots for ", num_keys, " keys");
   TORCH_CHECK(n > 0, "block_tables: the blocked layout needs rows");
   TORCH_CHECK(group_rows >= 1, "block_tables: group_rows must be positive, got ", group_rows);
 
-  const RankKeys rk = rank_keys(positions, of_position, kstart, num_keys, "block_tables");
-  const Vec& sorted = rk.sorted();
-  const bool identity = rk.ascending;
+  const int64_t* sorted = rk.sorted;
+  const bool identity = rk.ascending();
   Vec sorted_of_key(num_keys, -1), order(n), local_to_sorted(n);
   for (int64_t i = 0; i < n; ++i) {
     sorted_of_key[sorted[i]] = i;
     order[i] = rk.local_of_sorted(i);
     local_to_sorted[order[i]] = i;
   }
-  Groups gr = make_groups(sorted, kstart, group_rows);
+  Groups gr = make_groups(sorted, n, kstart, group_rows);
   const Vec &first = gr.first, &length = gr.length, &lo = gr.lo, &hi = gr.hi, &start = gr.start;
   const Vec &index = gr.index, &size = gr.size;
   const int64_t groups = static_cast<int64_t>(first.size());
@@ -654,16 +717,15 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
 // What the layout choice reads of the blocked layout (blocks._blocks_cost), without laying it
 // out: the tile cost of its forward calls, every group's bulk keys [start, lo) unmasked and its
 // diagonal span [lo, hi] causal.
-double block_cost(const at::Tensor& positions, const at::Tensor& of_position,
-                  const at::Tensor& key_sequence_start, int64_t group_rows, int64_t tile) {
-  read(positions, "block_cost: positions");
-  read(of_position, "block_cost: of_position");
+double block_cost(const at::Tensor& sorted_keys, const at::Tensor& key_sequence_start,
+                  int64_t group_rows, int64_t tile) {
+  const int64_t* sorted =
+      read_rank_keys(sorted_keys, none(), key_sequence_start.numel(), "block_cost: rank keys")
+          .sorted;
   const int64_t* kstart = read(key_sequence_start, "block_cost: key_sequence_start");
   TORCH_CHECK(group_rows >= 1, "block_cost: group_rows must be positive, got ", group_rows);
   TORCH_CHECK(tile >= 1, "block_cost: tile must be positive");
-  const RankKeys rk =
-      rank_keys(positions, of_position, kstart, key_sequence_start.numel(), "block_cost");
-  const Groups gr = make_groups(rk.sorted(), kstart, group_rows);
+  const Groups gr = make_groups(sorted, sorted_keys.numel(), kstart, group_rows);
   int64_t cost = 0;
   for (size_t g = 0; g < gr.first.size(); ++g) {
     const int64_t bulk = gr.lo[g] - gr.start[g];
@@ -679,7 +741,11 @@ double block_cost(const at::Tensor& positions, const at::Tensor& of_position,
 TORCH_LIBRARY(megatron_cp_host, m) {
   m.def("compact_keys(Tensor row_source, Tensor sequence) -> Tensor[]", &compact_keys);
   m.def(
-      "run_tables(Tensor positions, Tensor of_position, Tensor sequence, Tensor key_slots, "
+      "rank_keys(Tensor positions, Tensor of_position, Tensor key_sequence_start) "
+      "-> (Tensor[], int[])",
+      &rank_keys);
+  m.def(
+      "run_tables(Tensor positions, Tensor of_position, Tensor sorted_keys, Tensor sorted_order, "
       "Tensor key_sequence, Tensor key_sequence_start, int padding_rows, int merge_gap, "
       "bool longest_first) -> (Tensor[], int[])",
       &run_tables);
@@ -690,17 +756,17 @@ TORCH_LIBRARY(megatron_cp_host, m) {
       &call_tables);
   m.def("tile_cost(Tensor q_len, Tensor kv_len, bool causal, int tile) -> float", &tile_cost);
   m.def(
-      "run_cost(Tensor positions, Tensor of_position, Tensor key_sequence, "
-      "Tensor key_sequence_start, int merge_gap, int tile) -> float[]",
+      "run_cost(Tensor sorted_keys, Tensor key_sequence, Tensor key_sequence_start, "
+      "int merge_gap, int tile) -> float",
       &run_cost);
   m.def(
-      "block_tables(Tensor positions, Tensor of_position, Tensor key_slots, "
+      "block_tables(Tensor sorted_keys, Tensor sorted_order, Tensor key_slots, "
       "Tensor key_sequence_start, int group_rows, int span_budget, int slots, "
       "bool slots_in_source_order) -> (Tensor[], int[])",
       &block_tables);
   m.def(
-      "block_cost(Tensor positions, Tensor of_position, Tensor key_sequence_start, "
-      "int group_rows, int tile) -> float",
+      "block_cost(Tensor sorted_keys, Tensor key_sequence_start, int group_rows, int tile) "
+      "-> float",
       &block_cost);
 }
 

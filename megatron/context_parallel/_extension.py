@@ -112,8 +112,21 @@ def warn_fallback_once(op: str) -> None:
     )
 
 
+# The host-table ops the package calls. A library built from older sources registers another
+# set (or older schemas under the same names), so a missing one marks it broken: the tables are
+# then built with torch ops, and the warning says to rebuild.
+_HOST_OPS = (
+    "compact_keys", "rank_keys", "run_tables", "call_tables", "tile_cost", "run_cost",
+    "block_tables", "block_cost",
+)  # fmt: skip
+
+
 def _import_host_module() -> None:
     importlib.import_module(_HOST_MODULE)
+    ops = torch.ops.megatron_cp_host
+    missing = [name for name in _HOST_OPS if not hasattr(ops, name)]
+    if missing:
+        raise ImportError(f"built from older sources (no {', '.join(missing)})")
 
 
 def host_tables():

@@ -61,6 +61,13 @@ def _assert_same(a, b, where):
         assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
+def _key_fields(keys: CompactKeys) -> dict:
+    return {f: getattr(keys, f) for f in _KEY_FIELDS}
+
+
+_KEY_FIELDS = ("slots", "count", "of_position", "sequence", "sequence_start")
+
+
 def _fields(tables):
     out = {k: v for k, v in vars(tables).items() if k not in ("_device", "plan")}
     if isinstance(tables, AttentionRuns):
@@ -78,7 +85,7 @@ def test_run_tables_equal_the_reference(
     sequence = _sequence(seq_len, cu)
     with pytest.MonkeyPatch.context() as mp:
         keys = _both(mp, CompactKeys, plan, sequence)
-        _assert_same(vars(keys[0]), vars(keys[1]), "keys")
+        _assert_same(*(_key_fields(k) for k in keys), "keys")
         for rank in range(cp):
             padding = 1 if plan.counts[rank] == 0 else 0
             native, reference = _both(
@@ -147,11 +154,31 @@ def test_bad_inputs_raise_naming_the_table():
         OPS.compact_keys(source.int(), torch.zeros(4, dtype=torch.int64))
     keys = OPS.compact_keys(source, torch.zeros(4, dtype=torch.int64))
     unowned = torch.tensor([1, 2])  # nobody owns position 2: it maps to position 1's key
-    with pytest.raises(RuntimeError, match="position 2 is not an owned position"):
-        OPS.run_tables(unowned, keys[1], torch.zeros(4, dtype=torch.int64), keys[0], keys[2],
-                       keys[3], 0, 64, True)  # fmt: skip
-    with pytest.raises(RuntimeError, match="run_cost: local position 2 is not an owned position"):
-        OPS.run_cost(unowned, keys[1], keys[2], keys[3], 64, 128)
+    with pytest.raises(RuntimeError, match="rank_keys: local position 2 is not an owned position"):
+        OPS.rank_keys(unowned, keys[1], keys[3])
+    with pytest.raises(RuntimeError, match="rank_keys: position 4 out of range"):
+        OPS.rank_keys(torch.tensor([0, 4]), keys[1], keys[3])
+    # Every position owned: each position is its own key (empty of_position), 5 past the keys.
+    with pytest.raises(RuntimeError, match="rank_keys: position 5 out of range"):
+        OPS.rank_keys(torch.tensor([5]), torch.empty(0, dtype=torch.int64), keys[3])
+    sorted_keys = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="run_tables: 2 rank keys for 3 local rows"):
+        OPS.run_tables(torch.tensor([0, 1, 3]), keys[1], sorted_keys, torch.empty(0).long(),
+                       keys[2], keys[3], 0, 64, True)  # fmt: skip
+    with pytest.raises(RuntimeError, match="block_tables: 4 key slots for 3 keys"):
+        OPS.block_tables(sorted_keys, torch.empty(0).long(), source, keys[3], 2, 8, 4, False)
+    # Rank keys are checked before they index a table: ascending, within the keys, and local
+    # rows within the rows.
+    for bad in ([1, 0], [0, 3], [-1, 0]):
+        with pytest.raises(RuntimeError, match="run_cost: rank keys: the sorted keys must ascend"):
+            OPS.run_cost(torch.tensor(bad), keys[2], keys[3], 64, 128)
+        with pytest.raises(RuntimeError, match="block_cost: rank keys: the sorted keys must"):
+            OPS.block_cost(torch.tensor(bad), keys[3], 2, 128)
+    with pytest.raises(RuntimeError, match="block_tables: rank keys: a local row outside"):
+        OPS.block_tables(sorted_keys, torch.tensor([0, 2]), keys[0], keys[3], 2, 8, 4, False)
+    with pytest.raises(RuntimeError, match="run_tables: position 7 out of range"):
+        OPS.run_tables(torch.tensor([0, 7]), keys[1], sorted_keys, torch.empty(0).long(),
+                       keys[2], keys[3], 0, 64, True)  # fmt: skip
 
 
 @pytest.mark.skipif(OPS is None, reason="host builders not built")

@@ -177,9 +177,10 @@ class AttentionBlocks(ReadOnlyTables):
     def _native_build(cls, plan, rank, keys, group_rows, span_budget, shape_buckets):
         """``build`` by the C++ builder (``block_tables``), the same tables."""
         slots = plan.cp_size * plan.max_count
+        rank_keys = keys.rank_keys(rank)
         tensors, meta = host_ops().block_tables(
-            plan.local_positions(rank), keys.of_position, keys.slots, keys.sequence_start,
-            group_rows, span_budget, slots, plan.slots_in_source_order,
+            rank_keys.sorted, rank_keys.order, keys.slots, keys.sequence_start, group_rows,
+            span_budget, slots, plan.slots_in_source_order,
         )  # fmt: skip
         groups, identity, has_bulk_call, n_diagonal, n_levels = meta[:5]
         order, local_to_sorted, has_bulk, slot_rows = tensors[:4]
@@ -433,14 +434,14 @@ def _row_tables(plan, keys: CompactKeys, order: torch.Tensor) -> dict:
 def _run_cost(plan, rank: int, sequence: torch.Tensor, keys: CompactKeys) -> Tuple[float, int]:
     """``(tile cost, work)`` of the run tables ``AttentionRuns.build`` would make for this rank:
     ``_tile_cost`` of their causal entries and the rows' own causal score elements, without
-    laying out a table (C++ ``run_cost`` in one pass where built)."""
+    laying out a table (C++ ``run_cost``: one pass over the rank's keys, where built)."""
     ops = host_ops()
     if ops is not None:
-        cost, work = ops.run_cost(
-            plan.local_positions(rank), keys.of_position, keys.sequence, keys.sequence_start,
-            DEFAULT_MERGE_GAP, KERNEL_TILE,
-        )  # fmt: skip
-        return cost, int(work)
+        rank_keys = keys.rank_keys(rank)
+        cost = ops.run_cost(
+            rank_keys.sorted, keys.sequence, keys.sequence_start, DEFAULT_MERGE_GAP, KERNEL_TILE
+        )
+        return cost, rank_keys.work
     q_len, kv_len, work = run_entries(plan, rank, sequence, keys)
     return _tile_cost(q_len, kv_len, True), work
 
@@ -449,12 +450,11 @@ def _block_cost(plan, rank: int, keys: CompactKeys, group_rows: int = DEFAULT_GR
     """``_blocks_cost`` of the blocked tables ``AttentionBlocks.build`` would make for this rank,
     read from its groups without laying the tables out (C++ ``block_cost`` where built): every
     group's bulk keys ``[start, lo)`` unmasked and its diagonal span ``[lo, hi]`` causal."""
-    positions = plan.local_positions(rank)
     ops = host_ops()
     if ops is not None:
-        return ops.block_cost(
-            positions, keys.of_position, keys.sequence_start, group_rows, KERNEL_TILE
-        )
+        sorted_keys = keys.rank_keys(rank).sorted
+        return ops.block_cost(sorted_keys, keys.sequence_start, group_rows, KERNEL_TILE)
+    positions = plan.local_positions(rank)
     sorted_compact = torch.sort(keys.of_position[positions]).values
     groups = _groups(sorted_compact, keys.sequence_start[sorted_compact], group_rows)
     bulk = groups.lo > groups.start

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -157,32 +157,84 @@ def copy_numbers(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class RankKeys(NamedTuple):
+    """One rank's rows as compact keys (``CompactKeys.rank_keys``), what the C++ layout builders
+    and costs read: ``sorted``, int64 ``[n]``, the rank's keys in ascending order (the plan's
+    own ``local_positions`` where those are the keys already); ``order``, int64 ``[n]``, the
+    local row of each sorted key, empty where the local rows come in key order; ``work``, the
+    rows' own causal score elements (each row's keys from its sequence's start to itself)."""
+
+    sorted: torch.Tensor
+    order: torch.Tensor
+    work: int
+
+
 class CompactKeys:
     """The owned positions of a batch in source order (the compact keys) and their sequences.
 
-    Attributes (int64, CPU):
+    Attributes (int64, CPU; read-only: they may be the plan's and the caller's own tensors):
         slots: ``[N]``, the all-gather slot of each compact key.
         count: ``N``.
         of_position: ``[seq_len]``, the compact key of each owned position (unowned positions
             hold their predecessor's; never read for them).
         sequence: ``[N]``, the packed sequence of each compact key (non-decreasing).
         sequence_start: ``[N]``, the first compact key of each key's sequence.
+
+    Where every position is owned (no padding) the compact keys are the positions: ``slots`` is
+    the plan's ``row_source``, ``sequence`` the caller's, and ``of_position`` is made only if
+    read (the C++ builders take an empty one for "each position its own key"), so the host
+    writes one table of ``seq_len`` (the sequence starts) instead of four.
     """
 
     def __init__(self, plan: ContextParallelPlan, sequence: torch.Tensor):
         source = plan.row_source("cpu")
+        sequence = sequence.to(torch.int64).contiguous()
+        self._plan = plan
+        self._ranks: Dict[int, RankKeys] = {}
         ops = host_ops()
         if ops is not None:
-            parts = ops.compact_keys(source, sequence.to(torch.int64).contiguous())
-            self.slots, self.of_position, self.sequence, self.sequence_start = parts
+            slots, of_position, key_sequence, self.sequence_start = ops.compact_keys(
+                source, sequence
+            )
+            if self.sequence_start.numel() == source.numel():  # every position owned
+                slots, of_position, key_sequence = source, None, sequence
+            self.slots, self._of_position, self.sequence = slots, of_position, key_sequence
             self.count = int(self.slots.numel())
             return
         owned = source >= 0
         self.slots = source[owned]
         self.count = int(self.slots.numel())
-        self.of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
+        self._of_position = torch.cumsum(owned.to(torch.int64), 0) - 1
         self.sequence = sequence[owned]
         self.sequence_start = _run_starts(self.sequence)
+
+    @property
+    def of_position(self) -> torch.Tensor:
+        if self._of_position is None:
+            self._of_position = torch.arange(self.count)
+        return self._of_position
+
+    def native_of_position(self) -> torch.Tensor:
+        """``of_position`` as the C++ builders take it: empty where each position is its own
+        key (not made for them)."""
+        return _EMPTY if self._of_position is None else self._of_position
+
+    def rank_keys(self, rank: int) -> RankKeys:
+        """Rank ``rank``'s rows of the plan these keys were made for, as compact keys (C++
+        ``rank_keys``, once per rank): what every C++ layout builder and cost of the rank
+        reads. Raises RuntimeError naming a local position that is not the rank's own key."""
+        cached = self._ranks.get(rank)
+        if cached is None:
+            positions = self._plan.local_positions(rank)
+            (sorted_keys, order), (work, are_positions) = host_ops().rank_keys(
+                positions, self.native_of_position(), self.sequence_start
+            )
+            cached = RankKeys(positions if are_positions else sorted_keys, order, int(work))
+            self._ranks[rank] = cached
+        return cached
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 # Kernel shapes. Every kernel plan (a cuDNN graph, ~0.1-0.2 s to build) is keyed by its shape
@@ -938,10 +990,12 @@ def run_entries(
 
 def _native_tables(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first):
     """``AttentionRuns.build``'s tables from the C++ builder (``run_tables``)."""
-    return host_ops().run_tables(
-        plan.local_positions(rank), keys.of_position, sequence.to(torch.int64).contiguous(),
-        keys.slots, keys.sequence, keys.sequence_start, padding_rows, merge_gap, longest_first,
+    rank_keys = keys.rank_keys(rank)
+    tables, flags = host_ops().run_tables(
+        plan.local_positions(rank), keys.native_of_position(), rank_keys.sorted, rank_keys.order,
+        keys.sequence, keys.sequence_start, padding_rows, merge_gap, longest_first,
     )  # fmt: skip
+    return tables, (*flags, rank_keys.work)
 
 
 def _reference_tables(plan, rank, sequence, keys, padding_rows, merge_gap, longest_first):
