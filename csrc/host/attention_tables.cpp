@@ -401,6 +401,23 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   return {out, flags};
 }
 
+// One call's per-entry tables (q_start, q_len, k_start, kv_len, mat_start), read and checked to
+// be of one length.
+struct Entries {
+  const int64_t *qs, *ql, *ks, *kl, *ms;
+  int64_t n;
+};
+
+Entries read_entries(const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& k_start,
+                     const at::Tensor& kv_len, const at::Tensor& mat_start, const char* what) {
+  const int64_t n = q_len.numel();
+  for (const at::Tensor* t : {&q_start, &k_start, &kv_len, &mat_start}) {
+    TORCH_CHECK(t->numel() == n, what, ": per-entry tables of unequal lengths");
+  }
+  return {read(q_start, what), read(q_len, what), read(k_start, what), read(kv_len, what),
+          read(mat_start, what), n};
+}
+
 // The device layout of one kernel call (AttentionRuns._host_tables): per-entry lengths and
 // starts padded to `batch` entries (padding entries and the closing offset point past the last
 // row). Returns seq_len_q, seq_len_kv, q_rows, kv_rows, mat_rows.
@@ -408,12 +425,8 @@ std::vector<at::Tensor> call_tables(const at::Tensor& q_start, const at::Tensor&
                                     const at::Tensor& k_start, const at::Tensor& kv_len,
                                     const at::Tensor& mat_start, int64_t batch, int64_t max_q,
                                     int64_t query_rows, int64_t num_keys, int64_t mat_rows) {
-  const int64_t* qs = read(q_start, "call_tables: q_start");
-  const int64_t* ql = read(q_len, "call_tables: q_len");
-  const int64_t* ks = read(k_start, "call_tables: k_start");
-  const int64_t* kl = read(kv_len, "call_tables: kv_len");
-  const int64_t* ms = read(mat_start, "call_tables: mat_start");
-  const int64_t entries = q_len.numel();
+  const auto [qs, ql, ks, kl, ms, entries] =
+      read_entries(q_start, q_len, k_start, kv_len, mat_start, "call_tables");
   TORCH_CHECK(entries <= batch, "call_tables: ", entries, " entries over a batch of ", batch);
   at::Tensor len_q = at::zeros({batch}, at::kLong), len_kv = at::zeros({batch}, at::kLong);
   at::Tensor q_rows = at::empty({batch + 1}, at::kLong);
@@ -435,6 +448,47 @@ std::vector<at::Tensor> call_tables(const at::Tensor& q_start, const at::Tensor&
                 max_q);
   }
   return {len_q, len_kv, q_rows, kv_rows, m_rows};
+}
+
+// A causal call's backward as a prefix call and a diagonal call (AttentionRuns.backward_split,
+// whose torch ops define it): each entry's first kv_len - q_len keys unmasked (entries without
+// any left out) and its last q_len keys a square causal block, split only where the entries'
+// rectangles exceed `margin` times their visible pairs. Returns nothing (no split), or the two
+// calls' q_start, q_len, k_start, kv_len, mat_start and
+//   [every entry has a prefix, then per call its key total, longest rows and longest keys].
+std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> split_tables(
+    const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& k_start,
+    const at::Tensor& kv_len, const at::Tensor& mat_start, double margin) {
+  const auto [qs, ql, ks, kl, ms, entries] =
+      read_entries(q_start, q_len, k_start, kv_len, mat_start, "split_tables");
+  int64_t rectangle = 0, visible = 0, with_prefix = 0;
+  for (int64_t e = 0; e < entries; ++e) {
+    const int64_t prefix = kl[e] - ql[e];
+    TORCH_CHECK(prefix >= 0, "split_tables: an entry with fewer keys than rows");
+    rectangle += ql[e] * kl[e];
+    visible += ql[e] * prefix + ql[e] * (ql[e] + 1) / 2;
+    with_prefix += prefix > 0;
+  }
+  if (with_prefix == 0 || !(static_cast<double>(rectangle) > margin * visible)) return {{}, {}};
+  Vec p_qs, p_ql, p_ks, p_kl, p_ms, d_ks(entries), d_ms(entries);
+  int64_t p_keys = 0, p_max_q = 0, p_max_kv = 0, d_keys = 0, d_max_q = 0;
+  for (int64_t e = 0; e < entries; ++e) {
+    const int64_t prefix = kl[e] - ql[e];
+    d_ks[e] = ks[e] + prefix;
+    d_ms[e] = ms[e] + prefix;
+    d_keys += ql[e];
+    d_max_q = std::max(d_max_q, ql[e]);
+    if (prefix == 0) continue;
+    p_qs.push_back(qs[e]), p_ql.push_back(ql[e]), p_ks.push_back(ks[e]);
+    p_kl.push_back(prefix), p_ms.push_back(ms[e]);
+    p_keys += prefix;
+    p_max_q = std::max(p_max_q, ql[e]);
+    p_max_kv = std::max(p_max_kv, prefix);
+  }
+  std::vector<at::Tensor> out = {tensor(p_qs),  tensor(p_ql), tensor(p_ks), tensor(p_kl),
+                                 tensor(p_ms),  q_start.clone(), q_len.clone(), tensor(d_ks),
+                                 q_len.clone(), tensor(d_ms)};
+  return {out, {with_prefix == entries, p_keys, p_max_q, p_max_kv, d_keys, d_max_q, d_max_q}};
 }
 
 // Score elements a tiled kernel computes for entries (blocks._tile_cost): whole query
@@ -568,8 +622,8 @@ Groups make_groups(const int64_t* sorted, int64_t n, const int64_t* kstart, int6
 //   diagonal call and each backward level call;
 // and the ints
 //   groups, identity (the local rows are sorted), bulk present, diagonal calls, level calls,
-//   then per call (bulk, diagonal, levels) its query_rows and mat_rows, then per diagonal call
-//   its first and end sorted row.
+//   then per call (bulk, diagonal, levels) its query_rows, mat_rows, key total, longest rows
+//   and longest keys, then per diagonal call its first and end sorted row.
 std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
     const at::Tensor& sorted_keys, const at::Tensor& sorted_order, const at::Tensor& key_slots,
     const at::Tensor& key_sequence_start, int64_t group_rows, int64_t span_budget, int64_t slots,
@@ -708,7 +762,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
   std::vector<int64_t> meta = {groups, identity, any_bulk, diagonal, levels};
   for (const Call& c : calls) {
     c.append(out);
-    meta.push_back(c.query_rows), meta.push_back(c.mat_rows);
+    const int64_t key_rows = std::accumulate(c.kv_len.begin(), c.kv_len.end(), int64_t{0});
+    const int64_t longest_q = *std::max_element(c.q_len.begin(), c.q_len.end());
+    const int64_t longest_kv = *std::max_element(c.kv_len.begin(), c.kv_len.end());
+    meta.insert(meta.end(), {c.query_rows, c.mat_rows, key_rows, longest_q, longest_kv});
   }
   meta.insert(meta.end(), diag_bounds.begin(), diag_bounds.end());
   return {out, meta};
@@ -754,6 +811,10 @@ TORCH_LIBRARY(megatron_cp_host, m) {
       "Tensor mat_start, int batch, int max_q, int query_rows, int num_keys, int mat_rows) "
       "-> Tensor[]",
       &call_tables);
+  m.def(
+      "split_tables(Tensor q_start, Tensor q_len, Tensor k_start, Tensor kv_len, "
+      "Tensor mat_start, float margin) -> (Tensor[], int[])",
+      &split_tables);
   m.def("tile_cost(Tensor q_len, Tensor kv_len, bool causal, int tile) -> float", &tile_cost);
   m.def(
       "run_cost(Tensor sorted_keys, Tensor key_sequence, Tensor key_sequence_start, "

@@ -100,6 +100,33 @@ def test_run_tables_equal_the_reference(
 
 
 @pytest.mark.skipif(OPS is None, reason="host builders not built")
+@settings(max_examples=80, deadline=None)
+@given(**RUN_TABLE_DRAWS, margin=st.sampled_from([0.5, 1.0, 1.1, 1.5]))
+def test_backward_split_equals_the_reference(
+    seed, cp, seq_len, packed, unowned, merge_gap, longest_first, margin
+):
+    # The split backward's prefix and diagonal calls (C++ split_tables) against the torch ops
+    # that define them: every attribute, kernel sizes included, and every device table.
+    plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
+    sequence = _sequence(seq_len, cu)
+
+    def split(rank):
+        padding = 1 if plan.counts[rank] == 0 else 0
+        runs = AttentionRuns.build(
+            plan, rank, sequence, padding_rows=padding, merge_gap=merge_gap,
+            longest_first=longest_first,
+        )  # fmt: skip
+        return runs.backward_split(margin)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for rank in range(cp):
+            native, reference = _both(mp, split, rank)
+            assert (native is None) == (reference is None), f"rank {rank}"
+            for part, (a, b) in enumerate(zip(native or (), reference or ())):
+                _assert_same(a, b, f"rank {rank} part {part}")
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
 @settings(max_examples=120, deadline=None)
 @given(
     seed=st.integers(0, 2**16),

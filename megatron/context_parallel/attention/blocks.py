@@ -185,8 +185,8 @@ class AttentionBlocks(ReadOnlyTables):
         groups, identity, has_bulk_call, n_diagonal, n_levels = meta[:5]
         order, local_to_sorted, has_bulk, slot_rows = tensors[:4]
         n_calls = int(has_bulk_call) + n_diagonal + n_levels
-        sizes = meta[5 : 5 + 2 * n_calls]
-        bounds = meta[5 + 2 * n_calls :]
+        sizes = meta[5 : 5 + 5 * n_calls]
+        bounds = meta[5 + 5 * n_calls :]
         calls = []
         for c in range(n_calls):
             q_start, q_len, k_start, kv_len, mat_start, span_source, to_span = tensors[
@@ -197,7 +197,8 @@ class AttentionBlocks(ReadOnlyTables):
             calls.append(
                 AttentionRuns.from_layout(
                     q_start, q_len, k_start, kv_len, mat_start, backward=not bulk,
-                    query_rows=sizes[2 * c], mat_rows=sizes[2 * c + 1], num_keys=keys.count,
+                    query_rows=sizes[5 * c], mat_rows=sizes[5 * c + 1], num_keys=keys.count,
+                    sizes=sizes[5 * c + 2 : 5 * c + 5],
                     causal=diagonal, span_source=span_source if diagonal else None,
                     local_to_span=to_span if diagonal else None,
                     rows_covered=not bulk or has_bulk.numel() == 0, shape_buckets=shape_buckets,

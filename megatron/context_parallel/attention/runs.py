@@ -323,16 +323,18 @@ def _shared_shape(batch: int, max_q: int, max_kv: int) -> tuple:
     return _SHAPES[0].shared(batch, max_q, max_kv, current_attention_settings().shape_reuse)
 
 
-def _kernel_sizes(q_len, kv_len, query_rows: int, mat_rows: int, shape_buckets) -> dict:
-    """The bucketed sizes a kernel plan is keyed by (see ``AttentionRuns``); ``shape_buckets``
+def _kernel_sizes(
+    entries: int, longest_q: int, longest_kv: int, query_rows: int, mat_rows: int, shape_buckets
+) -> dict:
+    """The bucketed sizes a kernel plan is keyed by (see ``AttentionRuns``) for ``entries``
+    entries whose longest has ``longest_q`` rows and ``longest_kv`` keys; ``shape_buckets``
     None: ``AttentionSettings.shape_buckets``."""
-    entries = int(q_len.numel())
     if shape_buckets is None:
         shape_buckets = current_attention_settings().shape_buckets
     batch, max_q, max_kv = _shared_shape(
         _bucket(entries),
-        _bucket(int(q_len.max()) if entries else 1, shape_buckets),
-        _bucket(int(kv_len.max()) if entries else 1, shape_buckets),
+        _bucket(longest_q if entries else 1, shape_buckets),
+        _bucket(longest_kv if entries else 1, shape_buckets),
     )
     return dict(
         batch=batch,
@@ -607,33 +609,41 @@ class AttentionRuns(ReadOnlyTables):
     @classmethod
     def _from_tables(
         cls, tables, identity, query_rows, materialize, mat_rows, *, entry_copy, copies,
-        slots_are_rows, keys_covered, work, shape_buckets, **rest,
+        slots_are_rows, keys_covered, work, shape_buckets, sizes=None, **rest,
     ) -> "AttentionRuns":  # fmt: skip
         """The object from the per-entry ``tables`` (``q_start, q_len, k_start, kv_len,
         mat_start, span_source, local_to_span``; the last two read only where ``identity`` makes
         them meaningful), the layout flags, and the attributes in ``rest``; the kernel sizes
-        follow from the entries."""
+        follow from the entries (``sizes``: their key total, longest rows and longest keys,
+        where the caller has them)."""
         q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span = tables
+        entries = int(q_len.numel())
+        if sizes is None:
+            sizes = (
+                int(kv_len.sum()),
+                *((int(q_len.max()), int(kv_len.max())) if entries else (1, 1)),
+            )
+        key_rows, longest_q, longest_kv = sizes
         return cls(
             q_start=q_start,
             q_len=q_len,
             k_start=k_start,
             kv_len=kv_len,
             mat_start=mat_start,
-            entries=int(q_len.numel()),
+            entries=entries,
             identity=identity,
             span_source=None if identity else span_source,
             local_to_span=None if identity else local_to_span,
             query_rows=query_rows,
             materialize=materialize,
             mat_rows=mat_rows,
-            key_rows=int(kv_len.sum()),
+            key_rows=key_rows,
             entry_copy=entry_copy,
             copies=copies,
             slots_are_rows=slots_are_rows,
             keys_covered=keys_covered,
             work=work,
-            **_kernel_sizes(q_len, kv_len, query_rows, mat_rows, shape_buckets),
+            **_kernel_sizes(entries, longest_q, longest_kv, query_rows, mat_rows, shape_buckets),
             **rest,
         )
 
@@ -689,17 +699,17 @@ class AttentionRuns(ReadOnlyTables):
     @classmethod
     def from_layout(
         cls, q_start, q_len, k_start, kv_len, mat_start, *, backward, query_rows, mat_rows,
-        num_keys, causal, span_source, local_to_span, rows_covered, shape_buckets,
+        num_keys, causal, span_source, local_to_span, rows_covered, shape_buckets, sizes=None,
     ) -> "AttentionRuns":  # fmt: skip
         """One kernel call of entries already ordered and laid out (``from_entries``'s, or a
         builder's that did both): with ``backward`` each entry has its own key-gradient rows
         at ``mat_start`` (``kv_source`` derived from them), else key rows are at ``k_start``
-        (forward only)."""
+        (forward only). ``sizes``: as ``_from_tables``'."""
         tables = (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span)
         return cls._from_tables(
             tables, span_source is None, query_rows, bool(backward), mat_rows,
             entry_copy=None, copies=1, slots_are_rows=True, keys_covered=True, work=None,
-            shape_buckets=shape_buckets,
+            shape_buckets=shape_buckets, sizes=sizes,
             plan=None, rank=None, rows=query_rows, num_keys=num_keys, compact_slots=None,
             slots=None, rows_covered=bool(rows_covered), causal=bool(causal),
         )  # fmt: skip
@@ -769,7 +779,17 @@ class AttentionRuns(ReadOnlyTables):
         if key in self._derived:
             return self._derived[key]
         out = None
-        if self.causal and self.entries and not torch.equal(self.q_len, self.kv_len):
+        ops = host_ops()
+        if ops is not None and self.causal and self.entries:
+            tables, meta = ops.split_tables(
+                self.q_start, self.q_len, self.k_start, self.kv_len, self.mat_start, margin
+            )
+            if tables:
+                out = (
+                    self._part_of(tables[:5], meta[1:4], False, rows_covered=bool(meta[0])),
+                    self._part_of(tables[5:], meta[4:7], True, rows_covered=True),
+                )
+        elif self.causal and self.entries and not torch.equal(self.q_len, self.kv_len):
             q_len, kv_len = self.q_len, self.kv_len
             prefix_len = kv_len - q_len
             rectangle = float((q_len * kv_len).sum())
@@ -860,16 +880,21 @@ class AttentionRuns(ReadOnlyTables):
         shift = key_shift[keep]
         tables = (
             self.q_start[keep], self.q_len[keep], self.k_start[keep] + shift, kv_len[keep],
-            self.mat_start[keep] + shift, self.span_source, self.local_to_span,
+            self.mat_start[keep] + shift,
         )  # fmt: skip
+        return self._part_of(tables, None, causal, rows_covered=bool(keep.all()))
+
+    def _part_of(self, tables, sizes, causal: bool, *, rows_covered: bool) -> "AttentionRuns":
+        """The call of per-entry ``tables`` (``q_start, q_len, k_start, kv_len, mat_start``) over
+        this call's buffers; ``rows_covered``: it keeps every entry."""
         return self._from_tables(
-            tables, self.identity, self.query_rows, self.materialize, self.mat_rows,
-            entry_copy=None, copies=self.copies, slots_are_rows=True,
-            keys_covered=self.keys_covered, work=None,
-            shape_buckets=None, plan=self.plan, rank=self.rank, rows=self.rows,
+            (*tables, self.span_source, self.local_to_span), self.identity, self.query_rows,
+            self.materialize, self.mat_rows, entry_copy=None, copies=self.copies,
+            slots_are_rows=True, keys_covered=self.keys_covered, work=None,
+            shape_buckets=None, sizes=sizes, plan=self.plan, rank=self.rank, rows=self.rows,
             num_keys=self.num_keys, compact_slots=self.compact_slots, slots=self.slots,
             # Rows of entries left out of the call must read a zero query gradient.
-            rows_covered=self.rows_covered and bool(keep.all()), causal=causal,
+            rows_covered=self.rows_covered and rows_covered, causal=causal,
         )  # fmt: skip
 
     def _host_tables(self, call_only: bool = False) -> Dict[str, Optional[torch.Tensor]]:

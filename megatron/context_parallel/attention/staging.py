@@ -102,8 +102,9 @@ class StagedTables:
             # they, must hold every per-entry table.
             per_entry = set(_LENGTHS + _ROWS)
             calls_at = {i for i, _ in members}
-            holders = {i for i, k in names if k in per_entry}
-            whole = all(per_entry <= {k for i2, k in names if i2 == i} for i in calls_at)
+            held = [(i, k) for i, k in names if k in per_entry]
+            holders = {i for i, _ in held}
+            whole = len(held) == len(per_entry) * len(calls_at)  # (dict, name) pairs are unique
             if holders != calls_at or not whole:
                 raise ValueError(
                     f"the per-entry tables {sorted(per_entry)} must be the calls' dicts' "
@@ -111,7 +112,8 @@ class StagedTables:
                     f"dicts {sorted(holders)}"
                 )
         names.sort(key=lambda name: (name[1] not in int32, name[1]))
-        flat = [tables[i][k].reshape(-1) for i, k in names]
+        flat = [tables[i][k] for i, k in names]
+        flat = [t if t.dim() == 1 else t.reshape(-1) for t in flat]
         # Packed straight into pinned memory where pinned: the caching host allocator hands back
         # a block already mapped, where a fresh pageable buffer would fault in every page and
         # then be copied once more to pin it.
