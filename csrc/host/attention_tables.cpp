@@ -257,15 +257,23 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   const RankKeys rk = read_rank_keys(sorted_keys, sorted_order, num_keys, "run_tables: rank keys");
   TORCH_CHECK(rk.n == n, "run_tables: ", rk.n, " rank keys for ", n, " local rows");
   const int64_t* sorted = rk.sorted;
+  // The local rows in their own order, checked, as runs of consecutive keys of one sequence:
+  // the entries, where they are also the spans below (`identity`).
   const int64_t s_len = of ? of_position.numel() : num_keys;
-  for (int64_t i = 0; i < n; ++i) {
+  Vec run_start, run_len, run_lo;
+  for (int64_t i = 0, before = -1; i < n; ++i) {
     TORCH_CHECK(pos[i] >= 0 && pos[i] < s_len, "run_tables: position ", pos[i], " out of range");
     const int64_t k = key_of(pos, of, i);
     TORCH_CHECK(k >= 0 && k < num_keys, "run_tables: local position ", pos[i],
                 " is not an owned position of its own");
+    if (i == 0 || k - before != 1 || kseq[k] != kseq[before]) {
+      run_start.push_back(i);
+      run_len.push_back(0);
+      run_lo.push_back(k);
+    }
+    ++run_len.back();
+    before = k;
   }
-  // Local row i's compact key.
-  auto compact = [&](int64_t i) { return key_of(pos, of, i); };
   // Spans: sorted keys of one sequence closer than the merge gap.
   Vec span_lo, span_len, span_first;
   span_lo.reserve(n), span_len.reserve(n), span_first.reserve(n);
@@ -281,28 +289,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   const int64_t spans = static_cast<int64_t>(span_lo.size());
   const int64_t span_rows = std::accumulate(span_len.begin(), span_len.end(), int64_t{0});
 
-  bool identity = false;
-  if (span_rows == n) {
-    int64_t runs = n > 0 ? 1 : 0;
-    for (int64_t i = 1; i < n; ++i) {
-      const int64_t k = compact(i), before = compact(i - 1);
-      runs += k - before != 1 || kseq[k] != kseq[before];
-    }
-    identity = runs == spans;
-  }
+  const bool identity = span_rows == n && static_cast<int64_t>(run_start.size()) == spans;
   Vec q_start, q_len, lo;
   at::Tensor span_source = none(), local_to_span = none();
   int64_t query_rows;
   if (identity) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t k = compact(i);
-      if (i == 0 || k - compact(i - 1) != 1 || kseq[k] != kseq[compact(i - 1)]) {
-        q_start.push_back(i);
-        q_len.push_back(0);
-        lo.push_back(k);
-      }
-      ++q_len.back();
-    }
+    q_start.swap(run_start), q_len.swap(run_len), lo.swap(run_lo);
     query_rows = n + padding_rows;
   } else {
     query_rows = span_rows;
@@ -489,6 +481,42 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> split_tables(
                                  tensor(p_ms),  q_start.clone(), q_len.clone(), tensor(d_ks),
                                  q_len.clone(), tensor(d_ms)};
   return {out, {with_prefix == entries, p_keys, p_max_q, p_max_kv, d_keys, d_max_q, d_max_q}};
+}
+
+// The per-entry host tables of a group of kernel calls copied together (staging._GroupLayout
+// .host_tables, whose torch ops define them), from per call m its padded entries batch[m],
+// max_q[m], first statistics slot stats_at[m], first key-source row kv_at[m] and key-source
+// rows kv_rows[m]. Per entry of every call: its row in the per-entry row regions (each call's
+// tables there hold one closing offset more), its first statistics slot, its call's first
+// key-source row, and whether that call has key sources.
+std::vector<at::Tensor> group_tables(at::IntArrayRef batch, at::IntArrayRef max_q,
+                                     at::IntArrayRef stats_at, at::IntArrayRef kv_at,
+                                     at::IntArrayRef kv_rows) {
+  const size_t calls = batch.size();
+  TORCH_CHECK(max_q.size() == calls && stats_at.size() == calls && kv_at.size() == calls &&
+                  kv_rows.size() == calls,
+              "group_tables: per-call lists of unequal lengths");
+  int64_t entries = 0;
+  for (const int64_t b : batch) {
+    TORCH_CHECK(b >= 0, "group_tables: a call of ", b, " entries");
+    entries += b;
+  }
+  at::Tensor row, stats, at_kv, take;
+  int64_t *r, *st, *ak, *tk;
+  std::tie(row, r) = alloc(entries);
+  std::tie(stats, st) = alloc(entries);
+  std::tie(at_kv, ak) = alloc(entries);
+  std::tie(take, tk) = alloc(entries);
+  int64_t e = 0;
+  for (size_t m = 0; m < calls; ++m) {
+    for (int64_t local = 0; local < batch[m]; ++local, ++e) {
+      r[e] = e + static_cast<int64_t>(m);
+      st[e] = stats_at[m] + local * max_q[m];
+      ak[e] = kv_at[m];
+      tk[e] = kv_rows[m] > 0;
+    }
+  }
+  return {row, stats, at_kv, take};
 }
 
 // Score elements a tiled kernel computes for entries (blocks._tile_cost): whole query
@@ -815,6 +843,10 @@ TORCH_LIBRARY(megatron_cp_host, m) {
       "split_tables(Tensor q_start, Tensor q_len, Tensor k_start, Tensor kv_len, "
       "Tensor mat_start, float margin) -> (Tensor[], int[])",
       &split_tables);
+  m.def(
+      "group_tables(int[] batch, int[] max_q, int[] stats_at, int[] kv_at, int[] kv_rows) "
+      "-> Tensor[]",
+      &group_tables);
   m.def("tile_cost(Tensor q_len, Tensor kv_len, bool causal, int tile) -> float", &tile_cost);
   m.def(
       "run_cost(Tensor sorted_keys, Tensor key_sequence, Tensor key_sequence_start, "

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention.test_runs import RUN_TABLE_DRAWS, _drawn_plan, _sequence
+from attention.test_runs import PLAN_DRAWS, RUN_TABLE_DRAWS, _drawn_plan, _sequence
 from megatron.context_parallel import ContextParallelPlan, _extension
 from megatron.context_parallel.attention.blocks import (
     AttentionBlocks,
@@ -24,6 +24,7 @@ from megatron.context_parallel.attention.blocks import (
     build_attention_tables,
 )
 from megatron.context_parallel.attention.runs import AttentionRuns, CompactKeys
+from megatron.context_parallel.attention.staging import _GroupLayout
 
 OPS = _extension.host_tables()
 
@@ -99,6 +100,16 @@ def test_run_tables_equal_the_reference(
             _assert_same(chosen[0], chosen[1], f"chosen, rank {rank}")
 
 
+# A plan for the blocked layout's comparisons (``_drawn_plan``): up to three ranks over up to 90
+# positions, packed or not, some unowned.
+BLOCK_PLAN_DRAWS = dict(
+    PLAN_DRAWS,
+    cp=st.integers(1, 3),
+    seq_len=st.integers(1, 90),
+    unowned=st.sampled_from([0.0, 0.2]),
+)
+
+
 @pytest.mark.skipif(OPS is None, reason="host builders not built")
 @settings(max_examples=80, deadline=None)
 @given(**RUN_TABLE_DRAWS, margin=st.sampled_from([0.5, 1.0, 1.1, 1.5]))
@@ -129,11 +140,7 @@ def test_backward_split_equals_the_reference(
 @pytest.mark.skipif(OPS is None, reason="host builders not built")
 @settings(max_examples=120, deadline=None)
 @given(
-    seed=st.integers(0, 2**16),
-    cp=st.integers(1, 3),
-    seq_len=st.integers(1, 90),
-    packed=st.booleans(),
-    unowned=st.sampled_from([0.0, 0.2]),
+    **BLOCK_PLAN_DRAWS,
     group_rows=st.sampled_from([1, 2, 3, 5, 128]),
     span_budget=st.sampled_from([None, 1, 7, 10**6]),
 )
@@ -153,6 +160,14 @@ def test_block_tables_equal_the_reference(
             _assert_same(native, reference, f"rank {rank}")
             for i, (a, b) in enumerate(zip(native.calls(), reference.calls())):
                 _assert_same(a._host_tables(), b._host_tables(), f"rank {rank} call {i}")
+            # The per-entry tables of calls copied as one group (C++ group_tables), for these
+            # calls and for a run call with its split.
+            runs = AttentionRuns.build(plan, rank, sequence)
+            for calls in (native.calls(), [runs, *(runs.backward_split(1.0) or ())]):
+                for row_maps in (False, True):
+                    layout = _GroupLayout(list(enumerate(calls)), row_maps)
+                    tables = _both(mp, layout.host_tables)
+                    _assert_same(*tables, f"rank {rank}, group of {len(calls)}, {row_maps}")
 
 
 @pytest.mark.skipif(OPS is None, reason="host builders not built")

@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.context_parallel import _extension
+
 __all__ = ["DeviceGroup", "StagedTables", "pin_staged_tables", "spread"]
 
 # The per-entry tables of a kernel call (``AttentionRuns._host_tables``): the entries' lengths
@@ -194,7 +196,15 @@ class _GroupLayout:
         """int64 ``[E]`` per entry of every call (``E`` the calls' padded entries): its row in
         the ``_ROWS`` regions (each call's tables there hold a closing offset more), its first
         statistics slot, its call's first key-source row, and whether that call has key
-        sources (1) or not (0)."""
+        sources (1) or not (0). Made by the C++ ``group_tables`` where built (one op for
+        the dozen small torch ops below, which define it)."""
+        ops = _extension.host_tables()
+        if ops is not None:
+            names = ("row", "stats", "kv at", "kv take")
+            tables = ops.group_tables(
+                self.batch, self.max_q, self.stats_at[:-1], self.kv_at[:-1], self.kv_rows
+            )
+            return {_GROUP + name: t for name, t in zip(names, tables)}
         batch = torch.tensor(self.batch, dtype=torch.int64)
         call = torch.repeat_interleave(torch.arange(batch.numel()), batch)
         first = torch.cumsum(batch, 0) - batch
