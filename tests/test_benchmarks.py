@@ -103,6 +103,22 @@ def test_probe_rectangles_reads_the_run_plans_on_the_cpu():
     assert all(apart <= whole for whole, apart in ratios.values()) and len(ratios) >= 4, out
 
 
+def test_probe_table_host_times_the_host_share_on_the_cpu():
+    # --cpu: one row per named case, both layouts among them, every time positive, and the
+    # whole step's host share (build + on) at least the build's.
+    out = _run(
+        [
+            "benchmarks/probes/probe_table_host.py", "--cpu", "--named", "--seq-len", "4096",
+            "--reps", "3",
+        ]
+    )  # fmt: skip
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 6 and {r[1].strip() for r in rows} == {"runs", "blocks"}, out
+    for row in rows:
+        build, stage, staged_on, build_on = (float(c) for c in row[3:])
+        assert min(build, stage, staged_on) > 0 and build_on >= build, out
+
+
 def test_probe_backward_memory_models_the_peaks_on_the_cpu():
     # The modelled peak of the run tables and of the blocked layout, both positive and read.
     out = _run(

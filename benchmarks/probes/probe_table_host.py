@@ -27,7 +27,13 @@ warm-ups, in milliseconds:
 Each case runs twice: on one intra-op thread (``serial``, the library's default,
 ``AttentionSettings.serial_host_ops``) and on torch's intra-op threads (``threads``).
 
+With ``--cpu`` (no GPU needed) the host's share alone, serial: ``build``, ``stage``, ``staged on``
+and ``build + on`` (``bench_attention.py``'s "tables ms" less the host-to-device copy and its
+synchronisation), the tables' "device" being the CPU: what any host change moves, timed on a
+machine without a GPU.
+
     PYTHONPATH=$PWD python3 benchmarks/probes/probe_table_host.py [--reps 20] [--named] [--step]
+    PYTHONPATH=$PWD python3 benchmarks/probes/probe_table_host.py --cpu [--named] [--seq-len S]
 """
 
 import argparse
@@ -90,6 +96,21 @@ def probe(plan, rank, seq, reps, busy_work):
     return row
 
 
+def probe_cpu(plan, rank, seq, reps):
+    """``--cpu``'s row: ms of the host work alone, the tables' device being the CPU."""
+    cpu = torch.device("cpu")
+
+    def make():
+        return build_attention_tables(plan, rank, seq)
+
+    row = {"build": time_ms(make, cpu, reps, 2, clock="host")}
+    row["stage"] = time_ms(lambda: make().stage(), cpu, reps, 2, clock="host")
+    row["staged on"] = staged_on_ms(make, cpu, reps)
+    row["build + on"] = time_ms(lambda: make().on(cpu), cpu, reps, 2, clock="host")
+    row["layout"] = "runs" if isinstance(make(), AttentionRuns) else "blocks"
+    return row
+
+
 def first_use(plan, rank, cu, reps, backward=False):
     """(``first use``, ``step warm``) ms of one case: see the module docstring; ``backward``:
     the backward's parts and windows staged ahead too (``first use, bwd ahead``)."""
@@ -126,7 +147,22 @@ def main():
     parser.add_argument(
         "--step", action="store_true", help="also the first layer's host cost (library defaults)"
     )
+    parser.add_argument(
+        "--cpu", action="store_true", help="the host's share alone, on a machine without a GPU"
+    )
     args = parser.parse_args()
+    chosen = selected_cases(args.seq_len, named=True) if args.named else cases(args.seq_len)
+    if args.cpu:
+        keys = ("build", "stage", "staged on", "build + on")
+        print(f"| case | layout | S | {' | '.join(keys)} |")
+        print("|---|---|---:|" + "---:|" * len(keys))
+        with attention_settings(serial_host_ops=True):
+            for name, plan, rank, cu in chosen:
+                row = probe_cpu(plan, rank, _sequence(plan.seq_len, cu), args.reps)
+                cells = " | ".join(f"{row[k]:.3f}" for k in keys)
+                print(f"| {name} | {row['layout']} | {plan.seq_len} | {cells} |", flush=True)
+        print(f"(host: {torch.get_num_threads()} threads, serial)")
+        return
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
     def busy_work():
@@ -138,7 +174,6 @@ def main():
     keys += ("first use", "first use, bwd ahead", "step warm") if args.step else ()
     print("| case | layout | host ops | " + " | ".join(keys) + " |")
     print("|---|---|---|" + "---:|" * len(keys))
-    chosen = selected_cases(args.seq_len, named=True) if args.named else cases(args.seq_len)
     for name, plan, rank, cu in chosen:
         for serial in (False, True):
             with attention_settings(serial_host_ops=serial):
