@@ -162,12 +162,103 @@ inline int64_t key_of(const int64_t* pos, const int64_t* of, int64_t i) {
   return of ? of[pos[i]] : pos[i];
 }
 
+// Ascending keys as pieces: maximal stretches of consecutive keys of one sequence (kstart: each
+// key's sequence start, which names its sequence). For strictly ascending keys, "keys[i..j] are
+// consecutive and of keys[i]'s sequence" holds for j up to the piece's end and fails after
+// (keys[j] - j never decreases, nor kstart along the keys), so the end of a piece of L keys is
+// found in O(log L) probes by galloping. A run plan's rows are a few long pieces; a scattered
+// plan's are short ones of unpredictable length, which a pass key by key reads faster (no
+// branch on each piece's end).
+
+// Whether keys[i, i + len) are consecutive and of keys[i]'s sequence.
+inline bool consecutive(const int64_t* keys, const int64_t* kstart, int64_t i, int64_t len) {
+  const int64_t lo = keys[i], last = keys[i + len - 1];
+  return last - lo == len - 1 && kstart[last] == kstart[lo];
+}
+
+// The length of the piece from keys[i] on, at least `known` (consecutive(i, known) holds).
+int64_t piece_end(const int64_t* keys, int64_t n, const int64_t* kstart, int64_t i,
+                  int64_t known) {
+  const int64_t most = n - i;
+  int64_t good = known, step = std::max<int64_t>(known, 1);
+  while (good + step <= most && consecutive(keys, kstart, i, good + step)) good += step, step *= 2;
+  for (step /= 2; step > 0; step /= 2) {
+    if (good + step <= most && consecutive(keys, kstart, i, good + step)) good += step;
+  }
+  return good;
+}
+
+// Reads ascending keys in order: on_key(i, key) key by key, except that a piece of more than
+// kLong keys goes to on_piece(i, lo, len) whole (found by galloping).
+constexpr int64_t kLong = 16;
+
+template <typename Key, typename Stretch>
+void walk_keys(const int64_t* keys, int64_t n, const int64_t* kstart, Key&& on_key,
+               Stretch&& on_piece) {
+  for (int64_t i = 0; i < n;) {
+    if (i + kLong < n && consecutive(keys, kstart, i, kLong + 1)) {
+      const int64_t len = piece_end(keys, n, kstart, i, kLong + 1);
+      on_piece(i, keys[i], len);
+      i += len;
+    } else {
+      on_key(i, keys[i]);
+      ++i;
+    }
+  }
+}
+
+// Calls f(first, lo, len) for each piece of ascending keys, in key order: its first index in
+// `keys`, first key and length.
+template <typename F>
+void for_each_piece(const int64_t* keys, int64_t n, const int64_t* kstart, F&& f) {
+  for (int64_t i = 0; i < n;) {
+    const int64_t len = piece_end(keys, n, kstart, i, 1);
+    f(i, keys[i], len);
+    i += len;
+  }
+}
+
+// The spans of ascending keys (the run tables' entries where rows are not their own runs):
+// keys of one sequence less than the merge gap apart. Calls f(first, lo, len) for each span:
+// its first index in the keys, its first key and its length in keys (dummies included).
+template <typename F>
+void for_each_span(const int64_t* keys, int64_t n, const int64_t* kstart, int64_t gap_limit,
+                   F&& f) {
+  int64_t first = -1, lo = 0, last = 0;  // the open span: keys[first] = lo, ..., last
+  auto extend = [&](int64_t i, int64_t k, int64_t to) {
+    if (first >= 0 && (k - last > gap_limit || kstart[k] != kstart[lo])) {
+      f(first, lo, last + 1 - lo);
+      first = -1;
+    }
+    if (first < 0) first = i, lo = k;
+    last = to;
+  };
+  walk_keys(
+      keys, n, kstart, [&](int64_t i, int64_t k) { extend(i, k, k); },
+      [&](int64_t i, int64_t k, int64_t len) { extend(i, k, k + len - 1); });
+  if (first >= 0) f(first, lo, last + 1 - lo);
+}
+
+// The rows' own causal score elements of ascending keys (each key's keys from its sequence's
+// first to itself); a piece of L keys from `lo` in a sequence starting at s sums lo - s + 1,
+// ..., lo - s + L.
+int64_t keys_work(const int64_t* keys, int64_t n, const int64_t* kstart) {
+  int64_t work = 0;
+  walk_keys(
+      keys, n, kstart, [&](int64_t, int64_t k) { work += k - kstart[k] + 1; },
+      [&](int64_t, int64_t lo, int64_t len) {
+        work += len * (lo - kstart[lo] + 1) + len * (len - 1) / 2;
+      });
+  return work;
+}
+
 // One rank's rows as compact keys (RankKeys): returns (sorted, order) and
 // [work, sorted_is_positions]. Each local position is checked in range and owned once; `work`
 // is the rows' own causal score elements (each row's keys from its sequence's start to itself).
 // Rows in key order are their own order: `order` comes back empty, and where the keys are the
 // positions themselves `sorted` too (sorted_is_positions: the caller's `positions` are the
-// sorted keys), so a run plan's keys cost one read-only pass. Otherwise a counting pass.
+// sorted keys), so a run plan's keys cost one comparison pass and its work a few probes per
+// run (keys_work). Otherwise a counting pass.
 std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> rank_keys(
     const at::Tensor& positions, const at::Tensor& of_position,
     const at::Tensor& key_sequence_start) {
@@ -177,6 +268,15 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> rank_keys(
   const int64_t* kstart = read(key_sequence_start, "rank_keys: key_sequence_start");
   const int64_t n = positions.numel(), num_keys = key_sequence_start.numel();
   const int64_t s_len = of ? of_position.numel() : num_keys;
+  if (!of) {
+    // Each position its own key: positions ascending within the keys are the sorted keys, and
+    // their work comes piece by piece.
+    bool ascending = true;
+    for (int64_t i = 1; i < n; ++i) ascending &= pos[i] > pos[i - 1];
+    if (ascending && (n == 0 || (pos[0] >= 0 && pos[n - 1] < num_keys))) {
+      return {{none(), none()}, {keys_work(pos, n, kstart), 1}};
+    }
+  }
   int64_t work = 0;
   bool ascending = true;
   int64_t previous = -1;
@@ -257,38 +357,38 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   const RankKeys rk = read_rank_keys(sorted_keys, sorted_order, num_keys, "run_tables: rank keys");
   TORCH_CHECK(rk.n == n, "run_tables: ", rk.n, " rank keys for ", n, " local rows");
   const int64_t* sorted = rk.sorted;
-  // The local rows in their own order, checked, as runs of consecutive keys of one sequence:
-  // the entries, where they are also the spans below (`identity`).
-  const int64_t s_len = of ? of_position.numel() : num_keys;
-  Vec run_start, run_len, run_lo;
-  for (int64_t i = 0, before = -1; i < n; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < s_len, "run_tables: position ", pos[i], " out of range");
-    const int64_t k = key_of(pos, of, i);
-    TORCH_CHECK(k >= 0 && k < num_keys, "run_tables: local position ", pos[i],
-                " is not an owned position of its own");
-    if (i == 0 || k - before != 1 || kseq[k] != kseq[before]) {
-      run_start.push_back(i);
-      run_len.push_back(0);
-      run_lo.push_back(k);
-    }
-    ++run_len.back();
-    before = k;
-  }
-  // Spans: sorted keys of one sequence closer than the merge gap.
+  // Spans: the sorted keys' pieces (consecutive keys of one sequence), merged.
   Vec span_lo, span_len, span_first;
-  span_lo.reserve(n), span_len.reserve(n), span_first.reserve(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t k = sorted[i];
-    if (i == 0 || k - sorted[i - 1] > gap_limit || kseq[k] != kseq[sorted[i - 1]]) {
-      span_lo.push_back(k);
-      span_len.push_back(0);
-      span_first.push_back(i);
-    }
-    span_len.back() = k + 1 - span_lo.back();
-  }
+  for_each_span(sorted, n, kstart, gap_limit, [&](int64_t first, int64_t lo, int64_t len) {
+    span_first.push_back(first), span_lo.push_back(lo), span_len.push_back(len);
+  });
   const int64_t spans = static_cast<int64_t>(span_lo.size());
   const int64_t span_rows = std::accumulate(span_len.begin(), span_len.end(), int64_t{0});
-
+  // The local rows in their own order as runs of consecutive keys of one sequence: the entries
+  // where they are also the spans (`identity`). Rows in key order are the sorted keys, their
+  // runs the pieces; otherwise a checking pass over the local positions.
+  Vec run_start, run_len, run_lo;
+  if (rk.ascending()) {
+    for_each_piece(sorted, n, kstart, [&](int64_t first, int64_t lo, int64_t len) {
+      run_start.push_back(first), run_lo.push_back(lo), run_len.push_back(len);
+    });
+  } else {
+    const int64_t s_len = of ? of_position.numel() : num_keys;
+    for (int64_t i = 0, before = -1; i < n; ++i) {
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < s_len, "run_tables: position ", pos[i],
+                  " out of range");
+      const int64_t k = key_of(pos, of, i);
+      TORCH_CHECK(k >= 0 && k < num_keys, "run_tables: local position ", pos[i],
+                  " is not an owned position of its own");
+      if (i == 0 || k - before != 1 || kseq[k] != kseq[before]) {
+        run_start.push_back(i);
+        run_len.push_back(0);
+        run_lo.push_back(k);
+      }
+      ++run_len.back();
+      before = k;
+    }
+  }
   const bool identity = span_rows == n && static_cast<int64_t>(run_start.size()) == spans;
   Vec q_start, q_len, lo;
   at::Tensor span_source = none(), local_to_span = none();
@@ -544,26 +644,17 @@ double tile_cost(const at::Tensor& q_len, const at::Tensor& kv_len, bool causal,
 // sequence closer than the merge gap, each attending its sequence's keys up to its end. A plan
 // that scatters a rank's rows gives it about one entry per row, so this pass, not the tables,
 // decides.
-double run_cost(const at::Tensor& sorted_keys, const at::Tensor& key_sequence,
-                const at::Tensor& key_sequence_start, int64_t merge_gap, int64_t tile) {
-  const int64_t* kseq = read(key_sequence, "run_cost: key_sequence");
+double run_cost(const at::Tensor& sorted_keys, const at::Tensor& key_sequence_start,
+                int64_t merge_gap, int64_t tile) {
   const int64_t* kstart = read(key_sequence_start, "run_cost: key_sequence_start");
-  const int64_t n = sorted_keys.numel();
-  const int64_t* sorted =
-      read_rank_keys(sorted_keys, none(), key_sequence.numel(), "run_cost: rank keys").sorted;
-  const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
+  const RankKeys rk =
+      read_rank_keys(sorted_keys, none(), key_sequence_start.numel(), "run_cost: rank keys");
   TORCH_CHECK(tile >= 1, "run_cost: tile must be positive");
-  int64_t cost = 0, lo = -1, last = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t k = sorted[i];
-    if (lo >= 0 && (k - last > gap_limit || kseq[k] != kseq[last])) {
-      cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
-      lo = -1;
-    }
-    if (lo < 0) lo = k;
-    last = k;
-  }
-  if (lo >= 0) cost += entry_tile_cost(last + 1 - lo, last + 1 - kstart[lo], true, tile);
+  const int64_t gap_limit = std::max<int64_t>(merge_gap, 1);
+  int64_t cost = 0;
+  for_each_span(rk.sorted, rk.n, kstart, gap_limit, [&](int64_t, int64_t lo, int64_t len) {
+    cost += entry_tile_cost(len, lo + len - kstart[lo], true, tile);
+  });
   return static_cast<double>(cost);
 }
 
@@ -849,8 +940,8 @@ TORCH_LIBRARY(megatron_cp_host, m) {
       &group_tables);
   m.def("tile_cost(Tensor q_len, Tensor kv_len, bool causal, int tile) -> float", &tile_cost);
   m.def(
-      "run_cost(Tensor sorted_keys, Tensor key_sequence, Tensor key_sequence_start, "
-      "int merge_gap, int tile) -> float",
+      "run_cost(Tensor sorted_keys, Tensor key_sequence_start, int merge_gap, int tile) "
+      "-> float",
       &run_cost);
   m.def(
       "block_tables(Tensor sorted_keys, Tensor sorted_order, Tensor key_slots, "

@@ -83,11 +83,16 @@ def test_run_tables_equal_the_reference(
     seed, cp, seq_len, packed, unowned, merge_gap, longest_first
 ):
     plan, cu = _drawn_plan(seed, cp, seq_len, packed, unowned)
-    sequence = _sequence(seq_len, cu)
+    _assert_runs_equal(plan, _sequence(seq_len, cu), merge_gap, longest_first)
+
+
+def _assert_runs_equal(plan, sequence, merge_gap=64, longest_first=True):
+    """Every rank's compact keys, run tables, run cost and chosen layout of ``plan``, built by
+    the C++ builders and by the torch reference, are equal."""
     with pytest.MonkeyPatch.context() as mp:
         keys = _both(mp, CompactKeys, plan, sequence)
         _assert_same(*(_key_fields(k) for k in keys), "keys")
-        for rank in range(cp):
+        for rank in range(plan.cp_size):
             padding = 1 if plan.counts[rank] == 0 else 0
             native, reference = _both(
                 mp, AttentionRuns.build, plan, rank, sequence, padding_rows=padding,
@@ -213,13 +218,14 @@ def test_bad_inputs_raise_naming_the_table():
     # rows within the rows.
     for bad in ([1, 0], [0, 3], [-1, 0]):
         with pytest.raises(RuntimeError, match="run_cost: rank keys: the sorted keys must ascend"):
-            OPS.run_cost(torch.tensor(bad), keys[2], keys[3], 64, 128)
+            OPS.run_cost(torch.tensor(bad), keys[3], 64, 128)
         with pytest.raises(RuntimeError, match="block_cost: rank keys: the sorted keys must"):
             OPS.block_cost(torch.tensor(bad), keys[3], 2, 128)
     with pytest.raises(RuntimeError, match="block_tables: rank keys: a local row outside"):
         OPS.block_tables(sorted_keys, torch.tensor([0, 2]), keys[0], keys[3], 2, 8, 4, False)
+    # Rows out of key order are read position by position, each checked.
     with pytest.raises(RuntimeError, match="run_tables: position 7 out of range"):
-        OPS.run_tables(torch.tensor([0, 7]), keys[1], sorted_keys, torch.empty(0).long(),
+        OPS.run_tables(torch.tensor([7, 0]), keys[1], sorted_keys, torch.tensor([1, 0]),
                        keys[2], keys[3], 0, 64, True)  # fmt: skip
 
 
@@ -238,24 +244,9 @@ def test_tile_cost_equals_the_reference(entries, causal, tile):
     assert native == reference
 
 
-def _dealt_blocks(seed, cp, seq_len, block, sequences, unowned):
-    """A plan of ``block``-position blocks dealt at random over ``cp`` ranks (and, with
-    ``unowned``, nobody), each rank's positions shuffled, over ``sequences`` packed sequences
-    cut at random: ``(plan, sequence)``."""
-    g = torch.Generator().manual_seed(seed)
-    cuts = torch.randint(1, seq_len, (sequences - 1,), generator=g) if seq_len > 1 else None
-    cu = None if cuts is None else (0, *sorted(set(cuts.tolist())), seq_len)
-    owner = torch.randint(0, cp + int(unowned), (-(-seq_len // block),), generator=g)
-    owner = owner.repeat_interleave(block)[:seq_len]
-    ranks = [torch.nonzero(owner == r).flatten() for r in range(cp)]
-    ranks = [p[torch.randperm(p.numel(), generator=g)] for p in ranks]
-    plan = ContextParallelPlan.from_rank_positions(ranks, seq_len, cu)
-    return plan, _sequence(seq_len, cu)
-
-
-@pytest.mark.skipif(OPS is None, reason="host builders not built")
-@settings(max_examples=40, deadline=None)
-@given(
+# ``_dealt_blocks``' numbers: block sizes that cut runs far apart, at the 64-row merge gap
+# exactly (63-row blocks between) and within packed sequences.
+DEALT_BLOCK_DRAWS = dict(
     seed=st.integers(0, 2**16),
     cp=st.integers(1, 4),
     seq_len=st.integers(1, 3000),
@@ -263,6 +254,39 @@ def _dealt_blocks(seed, cp, seq_len, block, sequences, unowned):
     sequences=st.integers(1, 12),
     unowned=st.booleans(),
 )
+
+
+def _dealt_blocks(seed, cp, seq_len, block, sequences, unowned, ordered=False):
+    """A plan of ``block``-position blocks dealt at random over ``cp`` ranks (and, with
+    ``unowned``, nobody), each rank's positions shuffled (in position order with ``ordered``),
+    over ``sequences`` packed sequences cut at random: ``(plan, sequence)``."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(1, seq_len, (sequences - 1,), generator=g) if seq_len > 1 else None
+    cu = None if cuts is None else (0, *sorted(set(cuts.tolist())), seq_len)
+    owner = torch.randint(0, cp + int(unowned), (-(-seq_len // block),), generator=g)
+    owner = owner.repeat_interleave(block)[:seq_len]
+    ranks = [torch.nonzero(owner == r).flatten() for r in range(cp)]
+    if not ordered:
+        ranks = [p[torch.randperm(p.numel(), generator=g)] for p in ranks]
+    plan = ContextParallelPlan.from_rank_positions(ranks, seq_len, cu)
+    return plan, _sequence(seq_len, cu)
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
+@settings(max_examples=60, deadline=None)
+@given(**DEALT_BLOCK_DRAWS, ordered=st.booleans(), merge_gap=st.sampled_from([1, 3, 64]))
+def test_dealt_blocks_equal_the_reference(
+    seed, cp, seq_len, block, sequences, unowned, ordered, merge_gap
+):
+    # Runs of positions cut anywhere, in position order (the C++ builders then read the keys
+    # piece by piece, galloping over long runs of consecutive keys) or not.
+    plan, sequence = _dealt_blocks(seed, cp, seq_len, block, sequences, unowned, ordered)
+    _assert_runs_equal(plan, sequence, merge_gap)
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
+@settings(max_examples=40, deadline=None)
+@given(**DEALT_BLOCK_DRAWS)
 def test_run_cost_reads_what_the_run_tables_hold(seed, cp, seq_len, block, sequences, unowned):
     # The layout choice's one pass (C++ run_cost) against the run tables themselves, built by
     # the torch reference: blocks of positions dealt at random over the ranks (and nobody), so

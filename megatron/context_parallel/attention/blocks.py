@@ -439,9 +439,7 @@ def _run_cost(plan, rank: int, sequence: torch.Tensor, keys: CompactKeys) -> Tup
     ops = host_ops()
     if ops is not None:
         rank_keys = keys.rank_keys(rank)
-        cost = ops.run_cost(
-            rank_keys.sorted, keys.sequence, keys.sequence_start, DEFAULT_MERGE_GAP, KERNEL_TILE
-        )
+        cost = ops.run_cost(rank_keys.sorted, keys.sequence_start, DEFAULT_MERGE_GAP, KERNEL_TILE)
         return cost, rank_keys.work
     q_len, kv_len, work = run_entries(plan, rank, sequence, keys)
     return _tile_cost(q_len, kv_len, True), work

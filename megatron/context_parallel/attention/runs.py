@@ -210,6 +210,8 @@ class CompactKeys:
 
     @property
     def of_position(self) -> torch.Tensor:
+        """int64 ``[seq_len]`` (see the class docstring), made at the first read where every
+        position is owned."""
         if self._of_position is None:
             self._of_position = torch.arange(self.count)
         return self._of_position
@@ -222,7 +224,8 @@ class CompactKeys:
     def rank_keys(self, rank: int) -> RankKeys:
         """Rank ``rank``'s rows of the plan these keys were made for, as compact keys (C++
         ``rank_keys``, once per rank): what every C++ layout builder and cost of the rank
-        reads. Raises RuntimeError naming a local position that is not the rank's own key."""
+        reads (where the C++ builders are loaded: ``host_ops``). Raises RuntimeError naming a
+        local position that is not the rank's own key."""
         cached = self._ranks.get(rank)
         if cached is None:
             positions = self._plan.local_positions(rank)
