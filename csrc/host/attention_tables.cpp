@@ -735,8 +735,8 @@ Groups make_groups(const int64_t* sorted, int64_t n, const int64_t* kstart, int6
 }
 
 // The blocked layout of one rank's rows (AttentionBlocks.build). Returns the tensors
-//   order, local_to_sorted, has_bulk (empty: every group has bulk keys), slot_rows (empty when
-//   the slots are the compact keys), then 7 per call (q_start, q_len, k_start, kv_len,
+//   order, local_to_sorted (both empty when the rows come in key order), has_bulk (empty: every
+//   group has bulk keys), slot_rows (empty when the slots are the compact keys), then 7 per call (q_start, q_len, k_start, kv_len,
 //   mat_start, span_source, local_to_span) for the bulk call (when present), each
 //   diagonal call and each backward level call;
 // and the ints
@@ -760,11 +760,13 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> block_tables(
 
   const int64_t* sorted = rk.sorted;
   const bool identity = rk.ascending();
-  Vec sorted_of_key(num_keys, -1), order(n), local_to_sorted(n);
-  for (int64_t i = 0; i < n; ++i) {
-    sorted_of_key[sorted[i]] = i;
-    order[i] = rk.local_of_sorted(i);
-    local_to_sorted[order[i]] = i;
+  // The local row of each sorted row and back: the identity (not written) for rows in key order.
+  Vec sorted_of_key(num_keys, -1), order, local_to_sorted;
+  for (int64_t i = 0; i < n; ++i) sorted_of_key[sorted[i]] = i;
+  if (!identity) {
+    order.assign(rk.order, rk.order + n);
+    local_to_sorted.resize(n);
+    for (int64_t i = 0; i < n; ++i) local_to_sorted[order[i]] = i;
   }
   Groups gr = make_groups(sorted, n, kstart, group_rows);
   const Vec &first = gr.first, &length = gr.length, &lo = gr.lo, &hi = gr.hi, &start = gr.start;

@@ -210,7 +210,7 @@ class AttentionBlocks(ReadOnlyTables):
         return cls(
             plan=plan,
             rank=rank,
-            rows=int(order.numel()),
+            rows=int(rank_keys.sorted.numel()),
             num_keys=keys.count,
             slots=slots,
             groups=groups,
