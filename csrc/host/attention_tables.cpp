@@ -46,6 +46,33 @@ std::pair<at::Tensor, int64_t*> alloc(int64_t n) {
   return {t, t.data_ptr<int64_t>()};
 }
 
+// Each position's sequence start (the first position of its sequence): the compact keys'
+// sequence starts where every position is owned. For non-decreasing ids (checked in one
+// comparison pass) each sequence's end is found by galloping and its starts written as one
+// fill; other ids by a pass that starts anew at each change.
+at::Tensor sequence_starts(const at::Tensor& sequence) {
+  const int64_t* seq = read(sequence, "sequence_starts: sequence");
+  const int64_t s_len = sequence.numel();
+  at::Tensor out = at::empty({s_len}, at::kLong);
+  int64_t* kst = out.data_ptr<int64_t>();
+  bool sorted = true;
+  for (int64_t k = 1; k < s_len; ++k) sorted &= seq[k] >= seq[k - 1];
+  if (!sorted) {
+    int64_t start = 0;  // in a register: through kst[k - 1] each step waits on a store
+    for (int64_t k = 0; k < s_len; ++k) {
+      if (k > 0 && seq[k] != seq[k - 1]) start = k;
+      kst[k] = start;
+    }
+    return out;
+  }
+  for (int64_t start = 0; start < s_len;) {
+    const int64_t end = std::upper_bound(seq + start, seq + s_len, seq[start]) - seq;
+    std::fill(kst + start, kst + end, start);
+    start = end;
+  }
+  return out;
+}
+
 // The owned positions in source order (compact keys): for each its all-gather slot, packed
 // sequence and its sequence's first compact key; and each position's compact key (an unowned
 // position holds its predecessor's, -1 before the first owned one).
@@ -62,16 +89,7 @@ std::vector<at::Tensor> compact_keys(const at::Tensor& row_source, const at::Ten
               sequence.numel(), " sequence ids");
   int64_t count = 0;
   for (int64_t p = 0; p < s_len; ++p) count += src[p] >= 0;
-  if (count == s_len) {
-    at::Tensor key_start = at::empty({s_len}, at::kLong);
-    int64_t* kst = key_start.data_ptr<int64_t>();
-    int64_t start = 0;  // in a register: through kst[k - 1] each step waits on a store
-    for (int64_t k = 0; k < s_len; ++k) {
-      if (k > 0 && seq[k] != seq[k - 1]) start = k;
-      kst[k] = start;
-    }
-    return {none(), none(), none(), key_start};
-  }
+  if (count == s_len) return {none(), none(), none(), sequence_starts(sequence)};
   at::Tensor slots = at::empty({count}, at::kLong), of_position = at::empty({s_len}, at::kLong);
   at::Tensor key_seq = at::empty({count}, at::kLong), key_start = at::empty({count}, at::kLong);
   int64_t *sl = slots.data_ptr<int64_t>(), *of = of_position.data_ptr<int64_t>();
@@ -918,6 +936,7 @@ double block_cost(const at::Tensor& sorted_keys, const at::Tensor& key_sequence_
 
 TORCH_LIBRARY(megatron_cp_host, m) {
   m.def("compact_keys(Tensor row_source, Tensor sequence) -> Tensor[]", &compact_keys);
+  m.def("sequence_starts(Tensor sequence) -> Tensor", &sequence_starts);
   m.def(
       "rank_keys(Tensor positions, Tensor of_position, Tensor key_sequence_start) "
       "-> (Tensor[], int[])",

@@ -116,8 +116,8 @@ def warn_fallback_once(op: str) -> None:
 # set (or older schemas under the same names), so a missing one marks it broken: the tables are
 # then built with torch ops, and the warning says to rebuild.
 _HOST_OPS = (
-    "compact_keys", "rank_keys", "run_tables", "split_tables", "call_tables", "group_tables",
-    "tile_cost", "run_cost", "block_tables", "block_cost",
+    "compact_keys", "sequence_starts", "rank_keys", "run_tables", "split_tables", "call_tables",
+    "group_tables", "tile_cost", "run_cost", "block_tables", "block_cost",
 )  # fmt: skip
 
 

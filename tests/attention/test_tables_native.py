@@ -193,6 +193,20 @@ def test_named_plans_equal_the_reference(plan, monkeypatch):
 
 
 @pytest.mark.skipif(OPS is None, reason="host builders not built")
+@settings(max_examples=80, deadline=None)
+@given(ids=st.lists(st.integers(0, 4), max_size=60), ordered=st.booleans())
+def test_sequence_starts_restart_at_every_change(ids, ordered):
+    # Each position's sequence start: the first position of its run of equal ids, whether the
+    # ids never decrease (galloping) or come in any order (a pass).
+    ids = sorted(ids) if ordered else ids
+    expected = [0] * len(ids)
+    for k in range(1, len(ids)):
+        expected[k] = k if ids[k] != ids[k - 1] else expected[k - 1]
+    out = OPS.sequence_starts(torch.tensor(ids, dtype=torch.int64))
+    assert out.tolist() == expected
+
+
+@pytest.mark.skipif(OPS is None, reason="host builders not built")
 def test_bad_inputs_raise_naming_the_table():
     source = torch.tensor([0, 1, -1, 2])
     with pytest.raises(RuntimeError, match="compact_keys: 4 positions but 3 sequence ids"):

@@ -193,11 +193,13 @@ class CompactKeys:
         self._ranks: Dict[int, RankKeys] = {}
         ops = host_ops()
         if ops is not None:
-            slots, of_position, key_sequence, self.sequence_start = ops.compact_keys(
-                source, sequence
-            )
-            if self.sequence_start.numel() == source.numel():  # every position owned
+            if sum(plan.counts) == plan.seq_len:  # every position owned (none owned twice)
                 slots, of_position, key_sequence = source, None, sequence
+                self.sequence_start = ops.sequence_starts(sequence)
+            else:
+                slots, of_position, key_sequence, self.sequence_start = ops.compact_keys(
+                    source, sequence
+                )
             self.slots, self._of_position, self.sequence = slots, of_position, key_sequence
             self.count = int(self.slots.numel())
             return
