@@ -180,6 +180,18 @@ inline int64_t key_of(const int64_t* pos, const int64_t* of, int64_t i) {
   return of ? of[pos[i]] : pos[i];
 }
 
+// key_of, the position checked within the `s_len` positions and its key within the `num_keys`
+// keys (an unowned position maps outside them or onto another's key, which the callers'
+// ascending or once-only checks then catch); `what` names the caller in the errors.
+inline int64_t checked_key(const int64_t* pos, const int64_t* of, int64_t i, int64_t s_len,
+                           int64_t num_keys, const char* what) {
+  TORCH_CHECK(pos[i] >= 0 && pos[i] < s_len, what, ": position ", pos[i], " out of range");
+  const int64_t k = key_of(pos, of, i);
+  TORCH_CHECK(k >= 0 && k < num_keys, what, ": local position ", pos[i],
+              " is not an owned position of its own");
+  return k;
+}
+
 // Ascending keys as pieces: maximal stretches of consecutive keys of one sequence (kstart: each
 // key's sequence start, which names its sequence). For strictly ascending keys, "keys[i..j] are
 // consecutive and of keys[i]'s sequence" holds for j up to the piece's end and fails after
@@ -299,16 +311,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> rank_keys(
   bool ascending = true;
   int64_t previous = -1;
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < s_len, "rank_keys: position ", pos[i], " out of range");
-    const int64_t k = key_of(pos, of, i);
-    TORCH_CHECK(k >= 0 && k < num_keys, "rank_keys: local position ", pos[i],
-                " is not an owned position of its own");
+    const int64_t k = checked_key(pos, of, i, s_len, num_keys, "rank_keys");
     work += k - kstart[k] + 1;
     ascending = ascending && k > previous;
     previous = k;
   }
-  if (ascending) {
-    if (!of) return {{none(), none()}, {work, 1}};
+  if (ascending) {  // of_position given: the fast path above took the positions themselves
     at::Tensor sorted;
     int64_t* out;
     std::tie(sorted, out) = alloc(n);
@@ -393,11 +401,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>> run_tables(
   } else {
     const int64_t s_len = of ? of_position.numel() : num_keys;
     for (int64_t i = 0, before = -1; i < n; ++i) {
-      TORCH_CHECK(pos[i] >= 0 && pos[i] < s_len, "run_tables: position ", pos[i],
-                  " out of range");
-      const int64_t k = key_of(pos, of, i);
-      TORCH_CHECK(k >= 0 && k < num_keys, "run_tables: local position ", pos[i],
-                  " is not an owned position of its own");
+      const int64_t k = checked_key(pos, of, i, s_len, num_keys, "run_tables");
       if (i == 0 || k - before != 1 || kseq[k] != kseq[before]) {
         run_start.push_back(i);
         run_len.push_back(0);
@@ -754,9 +758,9 @@ Groups make_groups(const int64_t* sorted, int64_t n, const int64_t* kstart, int6
 
 // The blocked layout of one rank's rows (AttentionBlocks.build). Returns the tensors
 //   order, local_to_sorted (both empty when the rows come in key order), has_bulk (empty: every
-//   group has bulk keys), slot_rows (empty when the slots are the compact keys), then 7 per call (q_start, q_len, k_start, kv_len,
-//   mat_start, span_source, local_to_span) for the bulk call (when present), each
-//   diagonal call and each backward level call;
+//   group has bulk keys), slot_rows (empty when the slots are the compact keys), then 7 per
+//   call (q_start, q_len, k_start, kv_len, mat_start, span_source, local_to_span) for the bulk
+//   call (when present), each diagonal call and each backward level call;
 // and the ints
 //   groups, identity (the local rows are sorted), bulk present, diagonal calls, level calls,
 //   then per call (bulk, diagonal, levels) its query_rows, mat_rows, key total, longest rows
